@@ -1,0 +1,87 @@
+"""Batch types that data sources produce and step functions consume. Pure: no side effects.
+
+A batch is everything one rank needs for one optimizer step. Packed rows hold several documents
+each; `document_ids` says which tokens belong together so attention never crosses a document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a data stream stands; the sample order is a pure function of (seed, epoch, cursor)."""
+
+    epoch: int = 0
+    """Completed passes over the data."""
+    cursor: int = 0
+    """Samples consumed from the current epoch's order, summed over all ranks."""
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One micro-batch of rows, each row packing one or more documents back to back."""
+
+    input_ids: Tensor  # [B, T] int64
+    position_ids: Tensor  # [B, T] int64, restarts at 0 at each document start
+    document_ids: Tensor  # [B, T] int64, equal within a document, different across documents of a row
+    loss_mask: Tensor  # [B, T] bool, True where token t is a training target predicted from t-1
+
+    def check(self) -> None:
+        shape = self.input_ids.shape
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(shape)}")
+        for name in ("position_ids", "document_ids", "loss_mask"):
+            t = getattr(self, name)
+            if t.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        for name in ("input_ids", "position_ids", "document_ids"):
+            if getattr(self, name).dtype != torch.int64:
+                raise ValueError(f"{name} must be int64, got {getattr(self, name).dtype}")
+        if self.loss_mask.dtype != torch.bool:
+            raise ValueError(f"loss_mask must be bool, got {self.loss_mask.dtype}")
+        # A document's first token has no predecessor inside the document, so it cannot be a target.
+        if bool((self.loss_mask & (self.position_ids == 0)).any()):
+            raise ValueError("loss_mask marks a document's first token (position 0) as a target")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def block_causal_mask(document_ids: Tensor) -> Tensor:
+    """Boolean attention mask [B, 1, T, T]: True where query i may attend key j.
+
+    A key is visible when it is not in the future and belongs to the same document. Restarted
+    position ids alone do not isolate packed documents in transformers' sdpa path, so this mask
+    is always passed explicitly.
+    """
+    T = document_ids.shape[-1]
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return (same_doc & causal)[:, None, :, :]
+
+
+@dataclass(frozen=True)
+class SftBatch:
+    """This rank's share of one SFT optimizer step."""
+
+    micro_batches: tuple[PackedRows, ...]
+    """Micro-batches run forward/backward one after another, then one optimizer update."""
+    num_samples: int
+    """Documents (samples) in this rank's share."""
+    data_after: DataPosition
+    """The data position after this step, the same on every rank."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """Data-side metrics of this step (e.g. per-source ratios), logged in the step's row."""
+
+    def check(self) -> None:
+        if not self.micro_batches:
+            raise ValueError("an SftBatch needs at least one micro-batch")
+        for mb in self.micro_batches:
+            mb.check()

@@ -1,0 +1,127 @@
+"""Checkpoints as transactions. Side effects: file I/O and collectives (DCP).
+
+Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and optimizer
+(`.metadata`, `__*_*.distcp`), `progress.json` (Progress, with the data position), `meta.json`
+(the model directory, for export) and the marker `COMPLETE`.
+
+How completeness is marked: every rank writes into `step_N.partial/`; after a barrier, rank 0
+writes `progress.json`, `meta.json` and then `COMPLETE` (each fsynced), renames the directory to
+`step_N` and fsyncs the parent. `resolve_resume_step` counts only directories named `step_N`
+that hold `COMPLETE`, so a crash at any moment of a save leaves the previous checkpoint as the
+newest complete one. The learning rate is derived from the step, so there is no scheduler state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fnt.resume import COMPLETE_MARKER, checkpoint_dir, complete_steps, list_checkpoints
+from fnt.state import Progress
+
+PROGRESS_FILE = "progress.json"
+META_FILE = "meta.json"
+PARTIAL_SUFFIX = ".partial"
+
+
+def should_checkpoint(step: int, interval: int, max_steps: int, save_final: bool) -> bool:
+    """Save after this step? Every `interval` steps, and the final step once. Pure."""
+    if step == max_steps:
+        return save_final or (interval > 0 and step % interval == 0)
+    return interval > 0 and step % interval == 0
+
+
+def steps_to_delete(steps: list[int], keep_last: int) -> list[int]:
+    """Complete steps beyond the newest `keep_last` (0 keeps all); never the newest one. Pure."""
+    if keep_last <= 0:
+        return []
+    ordered = sorted(steps)
+    return ordered[: max(0, len(ordered) - max(keep_last, 1))]
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        dist.barrier()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    ckpt_root: Path, progress: Progress, model: Any, optimizer: Any, *,
+    model_name: str, rank: int, distributed: bool,
+) -> Path:
+    """Write step_{progress.step} as a transaction (see the module docstring)."""
+    final = checkpoint_dir(ckpt_root, progress.step)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+    _barrier(distributed)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=not distributed)
+    _barrier(distributed)
+    if rank == 0:
+        _write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
+        _write_synced(partial / META_FILE, json.dumps({"model_name": model_name}))
+        _write_synced(partial / COMPLETE_MARKER, f"step {progress.step}\n")
+        _fsync_dir(partial)
+        os.replace(partial, final)
+        _fsync_dir(ckpt_root)
+    _barrier(distributed)
+    return final
+
+
+def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: bool) -> Progress:
+    """Load model and optimizer state in place from a complete checkpoint; return its Progress."""
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return read_progress(path)
+
+
+def read_progress(path: Path) -> Progress:
+    return Progress.from_json((path / PROGRESS_FILE).read_text())
+
+
+def read_meta(path: Path) -> dict:
+    return json.loads((path / META_FILE).read_text())
+
+
+def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:
+    """Delete complete checkpoints beyond the newest `keep_last`; returns the deleted steps.
+
+    Only `step_N` directories holding the COMPLETE marker count, so directories fnt did not
+    write (or an unfinished save) are never touched.
+    """
+    doomed = steps_to_delete(complete_steps(list_checkpoints(ckpt_root)), keep_last)
+    for step in doomed:
+        # Remove the marker first: a crash mid-delete then leaves an ignored, incomplete dir.
+        path = checkpoint_dir(ckpt_root, step)
+        (path / COMPLETE_MARKER).unlink()
+        shutil.rmtree(path)
+    return doomed
+
+

@@ -1,0 +1,131 @@
+"""Tokenized samples of all sources, fitted to the sequence length. Pure: no side effects.
+
+Samples get global ids: source 0 owns ids 0..n0-1, source 1 the next n1 ids, and so on, in file
+order. Tokens live in two flat tensors with offsets, so millions of samples cost little memory.
+A dropped sample keeps its id (so the data order, and with it resume, does not depend on
+`seq_len` or the overlong policy) but holds no tokens; packing skips it and counts it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from array import array
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+OVERLONG_POLICIES = ("truncate", "drop", "error")
+
+
+class SampleFate(enum.IntEnum):
+    """What fitting to the sequence length did to a sample."""
+
+    KEPT = 0
+    TRUNCATED = 1
+    """Longer than seq_len: its first seq_len tokens are kept."""
+    DROPPED_OVERLONG = 2
+    """Longer than seq_len under the 'drop' policy."""
+    DROPPED_NO_LOSS = 3
+    """No target token left (e.g. all were truncated away)."""
+
+    @property
+    def dropped(self) -> bool:
+        return self in (SampleFate.DROPPED_OVERLONG, SampleFate.DROPPED_NO_LOSS)
+
+
+def fit_to_length(
+    input_ids: Sequence[int], targets: Sequence[bool], *, seq_len: int, overlong: str
+) -> tuple[list[int], list[bool], SampleFate]:
+    """A sample as it enters the corpus: at most seq_len tokens, never its first token a target.
+
+    A document's first token has no predecessor to be predicted from, so its target flag is
+    cleared here, once, for every sample. ValueError for an over-long sample under 'error'.
+    """
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"data.overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+    fate = SampleFate.KEPT
+    if len(input_ids) > seq_len:
+        if overlong == "error":
+            raise ValueError(
+                f"sample has {len(input_ids)} tokens, more than seq_len={seq_len} "
+                "(data.overlong='error'; use 'truncate' or 'drop' to accept such samples)"
+            )
+        if overlong == "drop":
+            return [], [], SampleFate.DROPPED_OVERLONG
+        fate = SampleFate.TRUNCATED
+    kept_ids = list(input_ids[:seq_len])
+    kept_targets = [False, *targets[1:seq_len]] if kept_ids else []
+    if not any(kept_targets):
+        return [], [], SampleFate.DROPPED_NO_LOSS
+    return kept_ids, kept_targets, fate
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Every sample of every source, tokenized; index with global sample ids."""
+
+    source_names: tuple[str, ...]
+    source_sizes: tuple[int, ...]
+    """Samples per source (dropped ones included), in source order."""
+    input_ids: Tensor  # [total_tokens] int64, all samples back to back
+    target_mask: Tensor  # [total_tokens] bool
+    offsets: tuple[int, ...]
+    """Sample i's tokens are input_ids[offsets[i]:offsets[i + 1]]."""
+    fates: tuple[SampleFate, ...]
+
+    @staticmethod
+    def build(
+        sources: Iterable[tuple[str, Iterable[tuple[Sequence[int], Sequence[bool], SampleFate]]]],
+    ) -> Corpus:
+        """A corpus from (source name, fitted samples) pairs; samples come from fit_to_length."""
+        names: list[str] = []
+        sizes: list[int] = []
+        ids = array("q")
+        targets = array("b")
+        offsets = [0]
+        fates: list[SampleFate] = []
+        for name, samples in sources:
+            names.append(name)
+            size = 0
+            for sample_ids, sample_targets, fate in samples:
+                if len(sample_ids) != len(sample_targets):
+                    raise ValueError("a sample needs one target flag per token")
+                ids.extend(sample_ids)
+                targets.extend(sample_targets)
+                offsets.append(len(ids))
+                fates.append(fate)
+                size += 1
+            sizes.append(size)
+        return Corpus(
+            source_names=tuple(names),
+            source_sizes=tuple(sizes),
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            target_mask=torch.tensor(targets, dtype=torch.bool),
+            offsets=tuple(offsets),
+            fates=tuple(fates),
+        )
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.fates)
+
+    def length(self, sample_id: int) -> int:
+        """Tokens of a sample after fitting; 0 for a dropped sample."""
+        return self.offsets[sample_id + 1] - self.offsets[sample_id]
+
+    def tokens(self, sample_id: int) -> tuple[Tensor, Tensor]:
+        """(input_ids [n] int64, target_mask [n] bool) of a sample, as views into the corpus."""
+        start, end = self.offsets[sample_id], self.offsets[sample_id + 1]
+        return self.input_ids[start:end], self.target_mask[start:end]
+
+    def source_of(self, sample_id: int) -> int:
+        return bisect.bisect_right(self._source_ends, sample_id)
+
+    @cached_property
+    def _source_ends(self) -> list[int]:
+        return list(accumulate(self.source_sizes))

@@ -1,0 +1,140 @@
+"""Metric rows: pure builders of the metric groups and their merge into one row per step.
+
+Only `log_step_metrics` has a side effect (one monitor call, on rank 0).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+GIB = 1024**3
+
+
+class MetricCollision(ValueError):
+    """Two metric groups produced the same key; merging would silently drop one value."""
+
+
+def merge_metrics(*groups: Mapping[str, float]) -> dict[str, float]:
+    """The union of the groups; a key present in two groups raises MetricCollision. Pure."""
+    row: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.items():
+            if key in row:
+                raise MetricCollision(f"metric {key!r} is produced by two groups")
+            row[key] = value
+    return row
+
+
+def step_row(step: int, time: float, *groups: Mapping[str, float]) -> dict[str, Any]:
+    """One metrics row: `step`, `time` and the merged groups. Pure."""
+    return {"step": step, "time": time, **merge_metrics(*groups)}
+
+
+def perf_metrics(
+    tokens: int, step_seconds: float, world_size: int, flops_per_token: float,
+    peak_flops_per_device: float, peak_memory_gib: float,
+) -> dict[str, float]:
+    """perf/* for one step: global and per-rank tokens per second, MFU, peak memory. Pure."""
+    throughput = tokens / step_seconds if step_seconds > 0 else 0.0
+    achieved = throughput * flops_per_token / world_size
+    return {
+        "perf/throughput": throughput,
+        "perf/throughput_per_rank": throughput / world_size,
+        "perf/mfu": achieved / peak_flops_per_device if peak_flops_per_device > 0 else 0.0,
+        "perf/peak_memory": peak_memory_gib,
+    }
+
+
+def disk_metrics_from_usage(total: int, used: int, free: int) -> dict[str, float]:
+    """system/ckpt_disk_* from byte counts. Pure."""
+    return {
+        "system/ckpt_disk_free_gib": free / GIB,
+        "system/ckpt_disk_used_gib": used / GIB,
+        "system/ckpt_disk_total_gib": total / GIB,
+        "system/ckpt_disk_free_ratio": free / total if total else 0.0,
+    }
+
+
+def disk_metrics(path: Path) -> dict[str, float]:
+    """system/ckpt_disk_* of the filesystem that holds (or will hold) `path`."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    usage = shutil.disk_usage(existing)
+    return disk_metrics_from_usage(usage.total, usage.used, usage.free)
+
+
+def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter plus causal attention scores. Pure.
+
+    The attention term is 12 * layers * hidden * seq_len halved for the causal mask
+    (forward 2 matmuls x 2 FLOPs, backward twice that).
+    """
+    return 6.0 * num_params + 6.0 * num_layers * hidden_size * seq_len
+
+
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_flops_per_device(configured_tflops: float, device: torch.device) -> float:
+    """Peak dense bf16 FLOP/s of one device: the configured value, a CUDA table, or 1 TFLOP/s."""
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in _PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    return 1e12
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: allocated CUDA memory, or the max resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Turn tensor metrics into floats with one host sync (all tensors are stacked first)."""
+    tensor_keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
+    if tensor_keys:
+        stacked = torch.stack([metrics[k].detach().float().reshape(()).cpu() for k in tensor_keys])
+        out.update(zip(tensor_keys, stacked.tolist()))
+    return {k: out[k] for k in metrics}
+
+
+def finite_or_none(value: float) -> Optional[float]:
+    """NaN and infinity become None, written as JSON null. Pure."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def log_step_metrics(
+    step: int,
+    metrics: Mapping[str, float],
+    *,
+    time: float,
+    perf: Mapping[str, float],
+    timing: Mapping[str, float],
+    disk: Mapping[str, float],
+    monitor: Any,
+    is_main: bool,
+) -> dict[str, Any]:
+    """Merge the shared groups with the step's metrics into ONE row and log it with ONE call.
+
+    `metrics` are the step function's own (loss/*, optim/lr, optim/grad_norm, ...) plus the
+    loop's progress/*; `perf`, `timing` (time/step, time/save_ckpt) and `disk` are the shared
+    groups. Only rank 0 logs; every rank gets the row back.
+    """
+    row = step_row(step, time, perf, timing, disk, metrics)
+    if is_main:
+        monitor.log(row)
+    return row

@@ -1,0 +1,143 @@
+"""Builds and loads the native CPU AdamW kernel (native/adamw.cpp).
+
+Side effects: on first use in a process, compiles the extension with the system C++ compiler and
+ninja into a cache directory (``$FNT_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fnt/native``, else
+``~/.cache/fnt/native``) and imports it. It may prepend the running interpreter's bin directory
+to ``PATH`` when ninja is installed there but not on ``PATH`` (a virtualenv used without
+activating it), because torch's builder runs ninja from ``PATH``.
+
+The build is specialised to this CPU (``-march=native``), so the cache key includes the CPU's
+feature flags next to the source, compiler, torch and Python versions: a cache directory shared
+across machines holds one build per kind of CPU and never loads code a CPU cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).resolve().parents[2] / "native" / "adamw.cpp"
+
+
+class NativeBuildError(RuntimeError):
+    """The native kernel cannot be built here (missing compiler or ninja, or a failed build)."""
+
+
+def cache_root() -> Path:
+    """Directory that holds the builds; pure apart from reading the environment."""
+    if override := os.environ.get("FNT_NATIVE_CACHE"):
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "fnt" / "native"
+
+
+def find_compiler() -> str:
+    """Path of the C++ compiler torch will use ($CXX, else c++); raises NativeBuildError."""
+    requested = os.environ.get("CXX") or "c++"
+    words = shlex.split(requested)
+    found = shutil.which(words[0]) if words else None
+    if found is None:
+        raise NativeBuildError(
+            f"CPUAdamW(impl='native') compiles its kernel on first use, but the C++ compiler "
+            f"{requested!r} ({'from $CXX' if os.environ.get('CXX') else 'default'}) was not found "
+            f"on PATH. Install g++ or clang++, point CXX at one, or use impl='reference'."
+        )
+    return found
+
+
+def find_ninja() -> str:
+    """Path of ninja, preferring PATH, then the interpreter's bin directory (see module doc)."""
+    found = shutil.which("ninja")
+    if found is not None:
+        return found
+    beside_python = Path(sys.executable).parent / "ninja"
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        os.environ["PATH"] = f"{beside_python.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return str(beside_python)
+    raise NativeBuildError(
+        "CPUAdamW(impl='native') compiles its kernel on first use with ninja, which was not "
+        "found on PATH. Install it (pip install ninja) or use impl='reference'."
+    )
+
+
+def _cpu_identity() -> str:
+    """The CPU features -march=native specialises for."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def build_flags() -> tuple[list[str], list[str]]:
+    """Compiler and linker flags; pure."""
+    cflags = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        cflags.append("-march=native")
+    elif machine in ("aarch64", "arm64"):
+        cflags.append("-mcpu=native")
+    ldflags: list[str] = []
+    # at::parallel_for is an inline `#pragma omp parallel` when torch uses OpenMP; without
+    # -fopenmp it silently runs on one thread. The extension then binds to the libgomp torch
+    # has already loaded (same soname), so there is one thread pool.
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    return cflags, ldflags
+
+
+def cache_key(compiler: str, cflags: list[str]) -> str:
+    """Hash of everything the built binary depends on."""
+    h = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__,
+        sys.version,
+        compiler,
+        " ".join(cflags),
+        _cpu_identity(),
+    ):
+        h.update(part if isinstance(part, bytes) else part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled extension, building it into the cache on first use (see module doc)."""
+    from torch.utils import cpp_extension
+
+    compiler = find_compiler()
+    find_ninja()
+    cflags, ldflags = build_flags()
+    key = cache_key(compiler, cflags)
+    build_dir = cache_root() / f"adamw-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"fnt_adamw_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except (RuntimeError, OSError) as e:
+        raise NativeBuildError(
+            f"building the native AdamW kernel in {build_dir} failed: {e}. "
+            "CPUAdamW(impl='reference') needs no compiler."
+        ) from e

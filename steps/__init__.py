@@ -1,0 +1,1 @@
+"""Step functions: `(TrainState, batch) -> (TrainState, metrics)`, one optimizer update each."""
