@@ -9,12 +9,14 @@ same gradient as one big batch.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from fnt.batch import PackedRows, SftBatch
+from fnt.setup import Runtime
 from fnt.state import TrainState
 from fnt.update import all_reduce_sum, optimizer_update_, packed_logits
 
@@ -29,22 +31,26 @@ def token_loss_sum(logits: Tensor, rows: PackedRows) -> Tensor:
     return (losses * mask.flatten()).sum()
 
 
-def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
-    """One optimizer update over this rank's micro-batches. Metrics stay tensors (no host sync).
+@dataclass(frozen=True)
+class BackwardTotals:
+    """Global sums over ranks and micro-batches of one step's forward/backward."""
 
-    A micro-batch whose loss is NaN/inf is left out of the loss and counted in loss/nan_count.
-    In a single process its backward is skipped. Under FSDP2 every rank must run the same
-    backward collectives, so it back-propagates an all-zero surrogate instead; should the
-    non-finite values still reach the gradients, the global grad norm is non-finite and the
-    update is skipped on every rank (optim/skipped = 1).
+    loss_sum: Tensor  # [] float32, cross entropy summed over finite micro-batches
+    nan_count: Tensor  # [] float32, micro-batches left out for a non-finite loss
+    loss_tokens: float
+    samples: float
+    tokens: float
+
+
+def sft_backward_(model: nn.Module, batch: SftBatch, runtime: Runtime) -> BackwardTotals:
+    """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
+
+    A micro-batch whose loss is NaN/inf is left out of the loss and counted. In a single process
+    its backward is skipped. Under FSDP2 every rank must run the same backward collectives, so it
+    back-propagates an all-zero surrogate instead; should non-finite values still reach the
+    gradients, the global grad norm is non-finite and `optimizer_update_` skips the update.
     """
-    batch.check()
-    state.check_current()
-    model, optimizer, runtime = state.handles.model, state.handles.optimizer, state.handles.runtime
-    distributed = runtime.distributed
-    device = runtime.device
-    started = time.perf_counter()
-
+    device, distributed = runtime.device, runtime.distributed
     local = torch.tensor(
         [
             float(sum(int(mb.loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
@@ -55,8 +61,8 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
         device=device,
     )
     loss_tokens, samples, tokens = all_reduce_sum(local, distributed).tolist()
-    # Each rank's gradient is averaged over the data-parallel ranks by FSDP2; scaling by dp
-    # turns that average back into the global sum before the division by the global count.
+    # FSDP2 averages gradients over the data-parallel ranks; scaling by dp turns that average
+    # back into the global sum before the division by the global count.
     scale = runtime.dims.dp / max(loss_tokens, 1.0)
 
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -72,22 +78,32 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
             nan_count += 1
             if distributed:
                 (logits.sum() * 0.0).backward()
-    fwd_bwd_seconds = time.perf_counter() - started
-
-    optim_metrics = optimizer_update_(model, optimizer, state.progress.step + 1, state.config)
     totals = all_reduce_sum(torch.stack([loss_sum, nan_count]), distributed)
-    loss_mean = totals[0] / max(loss_tokens, 1.0)
+    return BackwardTotals(totals[0], totals[1], loss_tokens, samples, tokens)
+
+
+def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
+    """One optimizer update over this rank's micro-batches. Metrics stay tensors (no host sync)."""
+    batch.check()
+    state.check_current()
+    model, optimizer, runtime = state.handles.model, state.handles.optimizer, state.handles.runtime
+    started = time.perf_counter()
+    totals = sft_backward_(model, batch, runtime)
+    fwd_bwd_seconds = time.perf_counter() - started
+    optim_metrics = optimizer_update_(model, optimizer, state.progress.step + 1, state.config)
+    loss_mean = totals.loss_sum / max(totals.loss_tokens, 1.0)
     metrics = {
         "loss/mean": loss_mean,
         "loss/perplexity": torch.exp(loss_mean),
-        "loss/nan_count": totals[1],
+        "loss/nan_count": totals.nan_count,
         **optim_metrics,
         "time/forward_backward": fwd_bwd_seconds,
+        **batch.metrics,
     }
     progress = state.progress
     next_state = state.advance(
-        total_tokens=progress.total_tokens + int(tokens),
-        total_samples=progress.total_samples + int(samples),
+        total_tokens=progress.total_tokens + int(totals.tokens),
+        total_samples=progress.total_samples + int(totals.samples),
         data=batch.data_after,
     )
     return next_state, metrics

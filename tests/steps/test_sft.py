@@ -1,0 +1,90 @@
+"""sft_step on the tiny model: learning, accumulation equivalence, the stale-state guard."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fnt.batch import DataPosition, SftBatch
+from fnt.config import Config, ModelConfig, OptimConfig
+from fnt.loop import build_state, fold
+from fnt.setup import setup_trainer
+from fnt.state import StaleStateError
+from fnt.synthetic import synthetic_rows, take_rows
+from steps.sft import sft_backward_, sft_step
+
+
+def make_state(model_dir, **overrides):
+    config = Config(
+        model=ModelConfig(name=str(model_dir)),
+        optim=OptimConfig(lr=3e-3, max_norm=1.0),
+        max_steps=20,
+        seq_len=32,
+        **overrides,
+    )
+    runtime = setup_trainer(config)
+    state, _ = build_state(config, runtime)
+    return state
+
+
+def batch_of(rows, micro_batch_size: int, num_samples: int = 4) -> SftBatch:
+    n = rows.input_ids.shape[0]
+    micro = tuple(take_rows(rows, i, i + micro_batch_size) for i in range(0, n, micro_batch_size))
+    return SftBatch(micro_batches=micro, num_samples=num_samples, data_after=DataPosition())
+
+
+def test_loss_falls_over_20_steps_on_a_fixed_batch(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
+    batch = batch_of(rows, micro_batch_size=2)
+    losses = []
+    for state, metrics in fold(state, [batch] * 20, sft_step):
+        losses.append(float(metrics["loss/mean"]))
+    assert state.progress.step == 20
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny_model_dir, k):
+    state = make_state(tiny_model_dir)
+    model, runtime = state.handles.model, state.handles.runtime
+    rows, docs = synthetic_rows(seed=3, step=7, num_rows=4, seq_len=32)
+    # The rows carry different numbers of loss tokens, so a per-micro-batch mean would differ.
+    assert len(set(rows.loss_mask.sum(dim=1).tolist())) > 1
+
+    def grads_for(micro_batch_size):
+        model.zero_grad(set_to_none=True)
+        totals = sft_backward_(model, batch_of(rows, micro_batch_size), runtime)
+        return totals, [p.grad.clone() for p in model.parameters()]
+
+    full_totals, full = grads_for(4)
+    acc_totals, acc = grads_for(4 // k)
+    assert acc_totals.loss_tokens == full_totals.loss_tokens
+    torch.testing.assert_close(acc_totals.loss_sum, full_totals.loss_sum, rtol=0, atol=1e-4)
+    for g_full, g_acc in zip(full, acc):
+        torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
+
+
+def test_progress_counts_tokens_samples_and_data_position(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    rows, docs = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
+    batch = dataclasses.replace(batch_of(rows, 2, num_samples=sum(docs)), data_after=DataPosition(0, 9))
+    state, metrics = sft_step(state, batch)
+    assert state.progress.step == 1
+    assert state.progress.total_tokens == 4 * 32
+    assert state.progress.total_samples == sum(docs)
+    assert state.progress.data == DataPosition(0, 9)
+    assert float(metrics["optim/lr"]) == pytest.approx(3e-3)
+    assert float(metrics["loss/nan_count"]) == 0.0
+
+
+def test_stepping_a_consumed_state_raises(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    rows, _ = synthetic_rows(seed=0, step=1, num_rows=2, seq_len=32)
+    batch = batch_of(rows, 2)
+    sft_step(state, batch)
+    with pytest.raises(StaleStateError, match="step 0"):
+        sft_step(state, batch)
