@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,15 @@ from fnt.state import Progress
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".partial"
+# Fault injection for the crash tests: "STEP:PHASE" makes rank 0 SIGKILL itself during the save
+# of step STEP, at PHASE "shards" (DCP files written, no marker) or "marker" (marker written, not
+# yet renamed). Unset in normal runs.
+FAULT_ENV = "FNT_FAULT_KILL_IN_SAVE"
+
+
+def _fault_point(step: int, phase: str) -> None:
+    if os.environ.get(FAULT_ENV) == f"{step}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def should_checkpoint(step: int, interval: int, max_steps: int, save_final: bool) -> bool:
@@ -43,7 +54,7 @@ def steps_to_delete(steps: list[int], keep_last: int) -> list[int]:
     if keep_last <= 0:
         return []
     ordered = sorted(steps)
-    return ordered[: max(0, len(ordered) - max(keep_last, 1))]
+    return ordered[: max(0, len(ordered) - keep_last)]
 
 
 def _barrier(distributed: bool) -> None:
@@ -78,13 +89,17 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
     _barrier(distributed)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=not distributed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=not distributed)
     _barrier(distributed)
     if rank == 0:
+        _fault_point(progress.step, "shards")
         _write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
         _write_synced(partial / META_FILE, json.dumps({"model_name": model_name}))
         _write_synced(partial / COMPLETE_MARKER, f"step {progress.step}\n")
         _fsync_dir(partial)
+        _fault_point(progress.step, "marker")
         os.replace(partial, final)
         _fsync_dir(ckpt_root)
     _barrier(distributed)
@@ -97,7 +112,9 @@ def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: boo
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return read_progress(path)
 
