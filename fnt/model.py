@@ -51,7 +51,11 @@ def load_model(model_config: ModelConfig, runtime: Runtime) -> tuple[nn.Module, 
         hidden_size=hf.hidden_size,
     )
     if model_config.ac:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed gradient_checkpointing_enable; accept both generations.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime))

@@ -88,3 +88,34 @@ def test_stepping_a_consumed_state_raises(tiny_model_dir):
     sft_step(state, batch)
     with pytest.raises(StaleStateError, match="step 0"):
         sft_step(state, batch)
+
+
+def three_step_losses(model_dir, **model_overrides):
+    state = make_state(model_dir)
+    config = dataclasses.replace(state.config, model=dataclasses.replace(state.config.model, **model_overrides))
+    state, _ = build_state(config, state.handles.runtime)
+    rows, _ = synthetic_rows(seed=1, step=1, num_rows=4, seq_len=32)
+    batch = batch_of(rows, micro_batch_size=2)
+    losses = []
+    for state, metrics in fold(state, [batch] * 3, sft_step):
+        losses.append(float(metrics["loss/mean"]))
+    return state, losses
+
+
+def is_checkpointing(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_activation_checkpointing_gives_the_same_losses(tiny_model_dir):
+    plain_state, plain = three_step_losses(tiny_model_dir, ac=False)
+    ac_state, with_ac = three_step_losses(tiny_model_dir, ac=True)
+    assert is_checkpointing(ac_state.handles.model)
+    assert not is_checkpointing(plain_state.handles.model)
+    assert with_ac == pytest.approx(plain, abs=1e-6)
+
+
+def test_bfloat16_model_trains(tiny_model_dir):
+    state, losses = three_step_losses(tiny_model_dir, dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in state.handles.model.parameters())
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < losses[0]

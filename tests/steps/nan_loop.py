@@ -1,0 +1,49 @@
+"""A research-style loop on the library API that poisons one micro-batch with NaN logits.
+
+Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. Prints one JSON line
+per rank with what the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from fnt.config import Config, ModelConfig
+from fnt.loop import build_state, fold
+from fnt.setup import setup_trainer, teardown_trainer
+from fnt.synthetic import synthetic_batches
+from steps.sft import sft_step
+
+
+def poison_first_call_(model, enabled: bool) -> None:
+    calls = {"n": 0}
+
+    def hook(module, inputs, output):
+        calls["n"] += 1
+        # Adding a constant NaN keeps the gradient path finite (d out / d logits = 1).
+        return output + float("nan") if enabled and calls["n"] == 1 else output
+
+    model.lm_head.register_forward_hook(hook)
+
+
+def main(model_dir: str) -> None:
+    config = Config(model=ModelConfig(name=model_dir), max_steps=2, batch_size=4, micro_batch_size=1, seq_len=32)
+    runtime = setup_trainer(config)
+    state, _ = build_state(config, runtime)
+    poison_first_call_(state.handles.model, enabled=runtime.rank == 0)
+    batches = synthetic_batches(seed=0, start_step=0, start=state.progress.data, batch_size=4,
+                                micro_batch_size=1, seq_len=32, dp_rank=runtime.dp_rank, dp_size=runtime.dims.dp)
+    rows = []
+    for state, metrics in fold(state, [next(batches), next(batches)], sft_step):
+        rows.append({k: float(v) for k, v in metrics.items() if k.startswith(("loss/", "optim/"))})
+    finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
+                 for p in state.handles.model.parameters())
+    print(json.dumps({"rank": runtime.rank, "rows": rows, "weights_finite": finite}), flush=True)
+    teardown_trainer(runtime)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

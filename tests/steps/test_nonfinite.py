@@ -1,0 +1,56 @@
+"""A micro-batch with a NaN loss is left out and counted; training goes on without NaN weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from fnt.synthetic import synthetic_rows
+from steps.sft import sft_step
+from tests.steps.test_sft import batch_of, make_state
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    model = state.handles.model
+    calls = {"n": 0}
+
+    def poison_second_call(module, inputs, output):
+        calls["n"] += 1
+        return output + float("nan") if calls["n"] == 2 else output
+
+    model.lm_head.register_forward_hook(poison_second_call)
+    before = [p.detach().clone() for p in model.parameters()]
+    rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
+    state, metrics = sft_step(state, batch_of(rows, micro_batch_size=1))
+    assert float(metrics["loss/nan_count"]) == 1.0
+    assert math.isfinite(float(metrics["loss/mean"]))
+    assert float(metrics["optim/skipped"]) == 0.0
+    for p, p0 in zip(model.parameters(), before):
+        assert torch.isfinite(p).all()
+    assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+
+
+def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(HERE / "nan_loop.py"), str(tiny_model_dir)],
+        capture_output=True, text=True, timeout=180, cwd=HERE.parents[1],
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for r in results:
+        assert r["weights_finite"]
+        step1, step2 = r["rows"]
+        assert step1["loss/nan_count"] == 1.0 and step2["loss/nan_count"] == 0.0
+        assert step1["optim/skipped"] == 0.0 and math.isfinite(step1["loss/mean"])
