@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from fnt.batch import PackedRows, block_causal_mask
 from fnt.optim import set_lr_
 from fnt.schedule import lr_at
+from fnt.setup import num_experts_of
 
 
 def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
@@ -19,6 +20,14 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     if distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def moe_top_k(model: nn.Module) -> int:
+    """Experts chosen per token by the model's routers; 0 for a dense model."""
+    config = model.config
+    if num_experts_of(config) is None:
+        return 0
+    return int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
 
 
 def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ from torch import Tensor, nn
 from fnt.batch import PackedRows, SftBatch
 from fnt.setup import Runtime
 from fnt.state import TrainState
-from fnt.update import all_reduce_sum, optimizer_update_, packed_logits
+from fnt.moe import moe_metrics, record_router_logits, router_stats
+from fnt.update import all_reduce_sum, moe_top_k, optimizer_update_, packed_logits
 
 
 def token_loss_sum(logits: Tensor, rows: PackedRows) -> Tensor:
@@ -40,6 +42,7 @@ class BackwardTotals:
     loss_tokens: float
     samples: float
     tokens: float
+    moe_stats: Optional[Tensor]  # [L, E + 2] summed router statistics (fnt.moe), None if dense
 
 
 def sft_backward_(model: nn.Module, batch: SftBatch, runtime: Runtime) -> BackwardTotals:
@@ -65,11 +68,17 @@ def sft_backward_(model: nn.Module, batch: SftBatch, runtime: Runtime) -> Backwa
     # back into the global sum before the division by the global count.
     scale = runtime.dims.dp / max(loss_tokens, 1.0)
 
+    top_k = moe_top_k(model)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     nan_count = torch.zeros((), dtype=torch.float32, device=device)
+    moe_stats = None
     for mb in batch.micro_batches:
         rows = PackedRows(*(t.to(device) for t in (mb.input_ids, mb.position_ids, mb.document_ids, mb.loss_mask)))
-        logits = packed_logits(model, rows)
+        with record_router_logits(model) as router_logits:
+            logits = packed_logits(model, rows)
+        if top_k:
+            stats = router_stats(router_logits, top_k)
+            moe_stats = stats if moe_stats is None else moe_stats + stats
         mb_loss = token_loss_sum(logits, rows)
         if bool(torch.isfinite(mb_loss)):
             (mb_loss * scale).backward()
@@ -79,7 +88,9 @@ def sft_backward_(model: nn.Module, batch: SftBatch, runtime: Runtime) -> Backwa
             if distributed:
                 (logits.sum() * 0.0).backward()
     totals = all_reduce_sum(torch.stack([loss_sum, nan_count]), distributed)
-    return BackwardTotals(totals[0], totals[1], loss_tokens, samples, tokens)
+    if moe_stats is not None:
+        moe_stats = all_reduce_sum(moe_stats, distributed)
+    return BackwardTotals(totals[0], totals[1], loss_tokens, samples, tokens, moe_stats)
 
 
 def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
@@ -98,6 +109,7 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
         "loss/nan_count": totals.nan_count,
         **optim_metrics,
         "time/forward_backward": fwd_bwd_seconds,
+        **(moe_metrics(totals.moe_stats) if totals.moe_stats is not None else {}),
         **batch.metrics,
     }
     progress = state.progress
