@@ -96,7 +96,7 @@ def save_checkpoint(
     if rank == 0:
         _fault_point(progress.step, "shards")
         _write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
-        _write_synced(partial / META_FILE, json.dumps({"model_name": model_name}))
+        _write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
         _write_synced(partial / COMPLETE_MARKER, f"step {progress.step}\n")
         _fsync_dir(partial)
         _fault_point(progress.step, "marker")

@@ -349,7 +349,8 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
 
 
 def _union_rank(member: Any) -> int:
-    order = [type(None), bool, int, float]
+    # int before bool: on the command line "1" is a step number, not true.
+    order = [type(None), int, bool, float]
     return order.index(member) if member in order else len(order)
 
 

@@ -32,7 +32,7 @@ def merge_metrics(*groups: Mapping[str, float]) -> dict[str, float]:
 
 def step_row(step: int, time: float, *groups: Mapping[str, float]) -> dict[str, Any]:
     """One metrics row: `step`, `time` and the merged groups. Pure."""
-    return {"step": step, "time": time, **merge_metrics(*groups)}
+    return merge_metrics({"step": step, "time": time}, *groups)
 
 
 def perf_metrics(

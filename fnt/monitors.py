@@ -121,6 +121,12 @@ def wandb_run_id_(output_dir: Path, fresh: bool) -> str:
     return run_id
 
 
+def format_duration(seconds: float) -> str:
+    """`H:MM:SS` with as many hours as needed (no wrap at a day). Pure."""
+    total = int(round(seconds))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
 def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
     """`step 3/5 | loss 2.1 | lr 1e-03 | 512 tok/s | 0.25 s/step | eta 0:00:01`. Pure."""
     step = row["step"]
@@ -136,7 +142,7 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
         parts.append(f"{row['time/step']:.2f} s/step")
     remaining = max(0, max_steps - step)
     eta = elapsed / steps_done * remaining if steps_done else 0.0
-    parts.append(f"eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+    parts.append(f"eta {format_duration(eta)}")
     return " | ".join(parts)
 
 

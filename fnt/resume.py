@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 COMPLETE_MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Only the canonical names the saver writes: no leading zeros, ASCII digits, nothing after.
+_STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
 
 
 class ResumeError(ValueError):
@@ -23,7 +24,7 @@ class ResumeError(ValueError):
 
 def step_of(name: str) -> Optional[int]:
     """N for a directory name `step_N`, else None."""
-    match = _STEP_DIR.match(name)
+    match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
 
 

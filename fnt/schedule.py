@@ -20,8 +20,10 @@ def lr_at(step: int, peak_lr: float, schedule: ScheduleConfig, max_steps: int) -
     if step < 1:
         raise ValueError(f"step must be >= 1 (the first update is step 1), got {step}")
     warmup = schedule.warmup_steps
-    if step <= warmup:
+    if step < warmup:
         return peak_lr * step / warmup
+    if step == warmup:
+        return peak_lr  # exactly, not peak * warmup / warmup with its rounding
     if schedule.kind == "constant":
         return peak_lr
     decay_steps = max_steps - warmup

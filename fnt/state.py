@@ -84,8 +84,10 @@ class TrainState:
 
         Marks this state consumed: advancing it (or stepping it) again raises StaleStateError.
         """
-        self.handles.cursor.advance_(self.progress.step)
+        if "step" in changes:
+            raise TypeError("advance() sets the step itself; pass only the other Progress fields")
         progress = dataclasses.replace(self.progress, step=self.progress.step + 1, **changes)
+        self.handles.cursor.advance_(self.progress.step)
         return dataclasses.replace(self, progress=progress)
 
     def check_current(self) -> None:

@@ -1,0 +1,64 @@
+"""Exported Hugging Face directories reproduce the trained model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fnt.checkpoint import save_checkpoint
+from fnt.loop import fold
+from fnt.synthetic import synthetic_rows
+from steps.sft import sft_step
+from tests.e2e.helpers import run_script
+from tests.steps.test_sft import batch_of, make_state
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A model trained 3 steps in process, its checkpoint, and its logits on a probe batch."""
+    state = make_state(tiny_model_dir)
+    rows, _ = synthetic_rows(seed=5, step=1, num_rows=4, seq_len=32)
+    for state, _ in fold(state, [batch_of(rows, 2)] * 3, sft_step):
+        pass
+    root = tmp_path_factory.mktemp("export") / "checkpoints"
+    ckpt = save_checkpoint(root, state.progress, state.handles.model, state.handles.optimizer,
+                           model_name=str(tiny_model_dir), rank=0, distributed=False)
+    probe = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = state.handles.model(input_ids=probe).logits
+    return ckpt, probe, logits, state.handles.model
+
+
+def test_float32_export_has_the_trained_logits(trained, tmp_path):
+    ckpt, probe, logits, _ = trained
+    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=probe).logits, logits, rtol=0, atol=1e-6)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template
+
+
+def test_bfloat16_export_is_the_rounded_trained_model(trained, tmp_path):
+    ckpt, probe, logits, model = trained
+    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    trained_weights = dict(model.named_parameters())
+    for name, p in exported.named_parameters():
+        assert torch.equal(p, trained_weights[name].detach().to(torch.bfloat16)), name
+    with torch.no_grad():
+        got = exported(input_ids=probe).logits.float()
+    torch.testing.assert_close(got, logits, rtol=0.05, atol=0.1)
+
+
+def test_a_two_rank_checkpoint_exports(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    run_script("sft.py", "--config", "examples/debug/sft.toml", "--model.name", str(tiny_model_dir),
+               "--output-dir", str(out), "--max-steps", "1", nproc=2)
+    ckpt = out / "checkpoints" / "step_1"
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert len(changed) == len(list(base.parameters()))  # every tensor was trained and exported

@@ -1,0 +1,159 @@
+"""Checkpoint decisions: when to save, what to delete, and cleanup on a real directory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnt.checkpoint import cleanup_checkpoints_, should_checkpoint, steps_to_delete
+from fnt.resume import COMPLETE_MARKER, resolve_resume_step
+
+SETTINGS = settings(max_examples=200, deadline=None)
+FS_SETTINGS = settings(max_examples=100, deadline=None)
+TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+STEPS = st.integers(min_value=0, max_value=60)
+
+
+# ---------------------------------------------------------------------------------------------
+# should_checkpoint
+
+
+@SETTINGS
+@given(interval=st.integers(0, 12), max_steps=st.integers(1, 60), save_final=st.booleans())
+def test_saved_steps_are_the_interval_multiples_and_the_final_step(interval, max_steps, save_final):
+    saved = [
+        s for s in range(1, max_steps + 1) if should_checkpoint(s, interval, max_steps, save_final)
+    ]
+    expected = {s for s in range(1, max_steps + 1) if interval > 0 and s % interval == 0}
+    if save_final:
+        expected.add(max_steps)
+    assert saved == sorted(expected)
+    # The final step is saved at most once, and exactly once when save_final is set.
+    assert saved.count(max_steps) == (1 if max_steps in expected else 0)
+
+
+def test_should_checkpoint_examples():
+    assert should_checkpoint(10, 0, 10, True)
+    assert not should_checkpoint(10, 0, 10, False)
+    assert should_checkpoint(10, 5, 10, False)
+    assert not should_checkpoint(9, 5, 10, True)
+    assert should_checkpoint(5, 5, 10, False)
+    assert not should_checkpoint(5, 0, 10, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# steps_to_delete
+
+
+@SETTINGS
+@given(st.lists(STEPS, unique=True, max_size=10), st.integers(-2, 12))
+def test_steps_to_delete_keeps_the_newest(steps, keep_last):
+    doomed = steps_to_delete(steps, keep_last)
+    kept = sorted(set(steps) - set(doomed))
+    assert set(doomed) <= set(steps)
+    assert len(doomed) == len(set(doomed))
+    if keep_last <= 0:
+        assert doomed == []
+        return
+    assert len(kept) == min(len(steps), keep_last)
+    if steps:
+        assert max(steps) in kept
+    if doomed and kept:
+        assert max(doomed) < min(kept)
+
+
+def test_steps_to_delete_examples():
+    assert steps_to_delete([3, 1, 2, 5], 2) == [1, 2]
+    assert steps_to_delete([3, 1, 2, 5], 0) == []
+    assert steps_to_delete([3, 1, 2, 5], 4) == []
+    assert steps_to_delete([7], 1) == []
+    assert steps_to_delete([], 3) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# cleanup_checkpoints_ on a real directory
+
+UNRELATED = ["foo", "step_x", "step_-1", "step_", "step_3_old", "step_3.bak", "latest", "notes.txt"]
+
+
+@st.composite
+def listings(draw):
+    complete = draw(st.sets(STEPS, max_size=7))
+    unmarked = draw(st.sets(STEPS, max_size=4)) - complete
+    partial = draw(st.sets(STEPS, max_size=3))
+    unrelated = draw(
+        st.lists(
+            st.tuples(st.sampled_from(UNRELATED), st.sampled_from(["dir", "marked", "file"])),
+            unique_by=lambda t: t[0],
+            max_size=4,
+        )
+    )
+    return complete, unmarked, partial, unrelated
+
+
+def build(root: Path, listing) -> None:
+    complete, unmarked, partial, unrelated = listing
+    root.mkdir(parents=True)
+    for n in complete:
+        (root / f"step_{n}").mkdir()
+        (root / f"step_{n}" / "progress.json").write_text("{}")
+        (root / f"step_{n}" / COMPLETE_MARKER).write_text(f"step {n}\n")
+    for n in unmarked:
+        (root / f"step_{n}").mkdir()
+        (root / f"step_{n}" / "progress.json").write_text("{}")
+    for n in partial:
+        (root / f"step_{n}.partial").mkdir()
+        (root / f"step_{n}.partial" / COMPLETE_MARKER).write_text(f"step {n}\n")
+    for name, kind in unrelated:
+        if kind == "file":
+            (root / name).write_text("x")
+        else:
+            (root / name).mkdir()
+            if kind == "marked":
+                (root / name / COMPLETE_MARKER).write_text("x")
+
+
+def snapshot(root: Path) -> set[str]:
+    """Every path under root, relative, so 'untouched' can be checked exactly."""
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@FS_SETTINGS
+@given(listings(), st.integers(0, 8))
+def test_cleanup_deletes_only_old_complete_checkpoints(listing, keep_last):
+    complete, _, _, _ = listing
+    with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
+        root = Path(tmp) / "checkpoints"
+        build(root, listing)
+        before = snapshot(root)
+        latest_before = resolve_resume_step("latest", root)
+
+        deleted = cleanup_checkpoints_(root, keep_last)
+
+        newest_first = sorted(complete, reverse=True)
+        expected_deleted = [] if keep_last == 0 else sorted(newest_first[keep_last:])
+        assert sorted(deleted) == expected_deleted
+        removed = {p for p in before if p.split("/")[0] in {f"step_{n}" for n in deleted}}
+        assert snapshot(root) == before - removed
+        assert resolve_resume_step("latest", root) == latest_before
+        if complete:
+            assert (root / f"step_{max(complete)}" / COMPLETE_MARKER).is_file()
+
+
+def test_cleanup_of_a_missing_directory(tmp_path):
+    assert cleanup_checkpoints_(tmp_path / "nothing", 2) == []
+
+
+def test_cleanup_ignores_non_canonical_names(tmp_path):
+    """`step_01` was not written by fnt: cleanup must leave it alone and must not crash on it."""
+    root = tmp_path / "checkpoints"
+    for name in ["step_01", "step_5", "step_6"]:
+        (root / name).mkdir(parents=True)
+        (root / name / COMPLETE_MARKER).write_text("x")
+    deleted = cleanup_checkpoints_(root, 2)
+    assert deleted == []
+    assert sorted(p.name for p in root.iterdir()) == ["step_01", "step_5", "step_6"]

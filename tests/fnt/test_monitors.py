@@ -1,0 +1,315 @@
+"""Monitors: strict JSON lines, trimming after a crash, the console line, W&B offline."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnt.config import Config, WandbConfig
+from fnt.monitors import (
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    JsonlMonitor,
+    WandbMonitor,
+    console_line,
+    open_monitors,
+    read_metrics,
+    rows_through,
+    strict_json_line,
+    truncate_metrics_,
+    wandb_run_id_,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None)
+TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+def _strict_loads(line: str):
+    def reject(constant):
+        raise ValueError(f"non-strict JSON constant {constant}")
+
+    return json.loads(line, parse_constant=reject)
+
+
+row_values = st.one_of(
+    st.floats(), st.integers(-(2**53), 2**53), st.text(max_size=10), st.none(), st.booleans()
+)
+rows = st.dictionaries(st.text(min_size=1, max_size=12), row_values, max_size=12)
+
+
+@SETTINGS
+@given(rows)
+def test_strict_json_line(row):
+    line = strict_json_line(row)
+    assert "\n" not in line and "\r" not in line
+    back = _strict_loads(line)
+    assert set(back) == set(row)
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            assert back[key] is None
+        else:
+            assert back[key] == value and type(back[key]) is type(value)
+
+
+def test_strict_json_line_example():
+    line = strict_json_line(
+        {"step": 3, "loss/mean": float("nan"), "perf/mfu": float("inf"), "x": 0.5}
+    )
+    assert line == '{"step": 3, "loss/mean": null, "perf/mfu": null, "x": 0.5}'
+
+
+@st.composite
+def metric_files(draw):
+    """Rows with steps, interleaved with torn lines and blank lines, as a crash might leave."""
+    steps = draw(st.lists(st.integers(0, 40), max_size=15))
+    lines, good = [], []
+    for step in steps:
+        line = strict_json_line({"step": step, "loss/mean": draw(st.floats(allow_nan=False))})
+        if draw(st.integers(0, 5)) == 0:
+            cut = draw(st.integers(1, len(line) - 1))
+            lines.append(line[:cut] + "\n")  # torn: never valid JSON, since the object is unclosed
+        else:
+            lines.append(line + "\n")
+            good.append((step, line + "\n"))
+        if draw(st.integers(0, 8)) == 0:
+            lines.append("\n")
+    if draw(st.booleans()) and lines:
+        lines[-1] = lines[-1].rstrip("\n")  # the last line may lack its newline
+    return lines, good
+
+
+@SETTINGS
+@given(metric_files(), st.integers(-1, 45))
+def test_rows_through(file, last_step):
+    lines, good = file
+    kept = rows_through(lines, last_step)
+    assert kept == [line for step, line in good if step <= last_step]
+    assert all(line.endswith("\n") for line in kept)
+
+
+@SETTINGS
+@given(metric_files(), st.integers(-1, 45))
+def test_truncate_metrics_on_disk(file, last_step):
+    lines, good = file
+    with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
+        path = Path(tmp) / METRICS_FILE
+        path.write_text("".join(lines))
+        truncate_metrics_(path, last_step)
+        assert path.read_text() == "".join(line for step, line in good if step <= last_step)
+        assert [p.name for p in Path(tmp).iterdir()] == [METRICS_FILE]
+
+
+def test_truncate_missing_file_is_a_no_op(tmp_path):
+    truncate_metrics_(tmp_path / METRICS_FILE, 3)
+    assert not (tmp_path / METRICS_FILE).exists()
+
+
+def test_jsonl_monitor_resume_keeps_one_row_per_step(tmp_path):
+    path = tmp_path / "run" / METRICS_FILE
+    first = JsonlMonitor(path, start_step=0)
+    for step in range(1, 6):
+        first.log({"step": step, "time": float(step), "loss/mean": 1.0 / step})
+    first.close()
+    with open(path, "a") as fh:
+        fh.write('{"step": 6, "loss/m')  # a crash mid-write
+    # Resume from checkpoint step_3: rows 4, 5 and the torn 6 are redone.
+    second = JsonlMonitor(path, start_step=3)
+    for step in range(4, 8):
+        second.log(
+            {"step": step, "time": float(step), "loss/mean": float("nan") if step == 7 else 0.5}
+        )
+    second.close()
+    rows = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert rows[2]["loss/mean"] == 1.0 / 3 and rows[3]["loss/mean"] == 0.5
+    assert rows[-1]["loss/mean"] is None
+    for line in path.read_text().splitlines():
+        _strict_loads(line)
+
+
+def test_open_monitors_without_wandb_writes_jsonl_and_console(tmp_path, capsys):
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=2)
+    monitors = open_monitors(config, start_step=0)
+    monitors.log({"step": 1, "time": 0.0, "loss/mean": 2.0, "optim/lr": 1e-3})
+    monitors.log({"step": 2, "time": 0.5, "loss/mean": 1.5, "optim/lr": 1e-3})
+    monitors.close()
+    assert [r["step"] for r in read_metrics(config.output_dir)] == [1, 2]
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith("step 1/2") and "loss 2.0000" in out[0]
+    assert not (tmp_path / "run" / "wandb").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# console_line
+
+
+def test_console_line_fields():
+    row = {
+        "step": 3,
+        "loss/mean": 2.125,
+        "optim/lr": 1e-3,
+        "perf/throughput": 512.4,
+        "time/step": 0.25,
+    }
+    line = console_line(row, max_steps=5, elapsed=0.5, steps_done=2)
+    parts = line.split(" | ")
+    assert parts[0] == "step 3/5"
+    assert "loss 2.1250" in parts and "lr 1.00e-03" in parts and "512 tok/s" in parts
+    assert "0.25 s/step" in parts
+    assert parts[-1] == "eta 00:00:00" or parts[-1] == "eta 0:00:00"
+
+
+def test_console_line_non_finite_loss_and_missing_fields():
+    line = console_line(
+        {"step": 1, "loss/mean": float("nan")}, max_steps=2, elapsed=0.0, steps_done=0
+    )
+    assert line.startswith("step 1/2 | loss nan")
+    assert "lr" not in line and "tok/s" not in line
+
+
+def _eta_seconds(line: str) -> int:
+    text = line.rsplit("eta ", 1)[1]
+    match = re.fullmatch(r"(?:(\d+) days?, )?(\d+):(\d\d):(\d\d)", text)
+    assert match, text
+    days, h, m, s = (int(g) if g else 0 for g in match.groups())
+    return ((days * 24 + h) * 60 + m) * 60 + s
+
+
+@pytest.mark.parametrize(
+    "elapsed, steps_done, step, max_steps",
+    [(10.0, 2, 2, 5), (3600.0, 1, 1, 3), (1000.0, 1, 1, 101), (7200.0, 2, 2, 100)],
+)
+def test_console_line_eta(elapsed, steps_done, step, max_steps):
+    """ETA = elapsed per step x remaining steps, also when that is more than a day."""
+    line = console_line({"step": step}, max_steps, elapsed, steps_done)
+    expected = elapsed / steps_done * (max_steps - step)
+    assert _eta_seconds(line) == int(expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# W&B: run id bookkeeping and offline runs
+
+
+def test_wandb_run_id_reuse(tmp_path):
+    out = tmp_path / "run"
+    first = wandb_run_id_(out, fresh=True)
+    assert (out / WANDB_ID_FILE).read_text().strip() == first
+    assert wandb_run_id_(out, fresh=False) == first  # resume: same run
+    second = wandb_run_id_(out, fresh=True)  # a fresh start: a new run
+    assert second != first
+    assert wandb_run_id_(out, fresh=False) == second
+    other = tmp_path / "other"
+    assert wandb_run_id_(other, fresh=False) == (other / WANDB_ID_FILE).read_text().strip()
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """W&B offline with every file it writes under tmp_path and no account."""
+    for name in (
+        "WANDB_API_KEY",
+        "WANDB_MODE",
+        "WANDB_DIR",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "WANDB_PROJECT",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    return tmp_path
+
+
+def test_wandb_offline_init_log_finish_and_resume(wandb_env):
+    out = wandb_env / "run"
+    config = Config(
+        output_dir=str(out), wandb=WandbConfig(mode="offline", project="fnt-test", name="t")
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a W&B failure in fnt surfaces only as a warning
+        monitor = WandbMonitor(config, start_step=0)
+        assert monitor.run is not None
+        run_id = monitor.run.id
+        assert (out / WANDB_ID_FILE).read_text().strip() == run_id
+        monitor.log({"step": 1, "time": 0.1, "loss/mean": 2.0, "perf/mfu": float("nan")})
+        monitor.log({"step": 2, "time": 0.2, "loss/mean": 1.0})
+        assert monitor.run is not None
+        assert "loss/mean" in monitor.run.summary.keys()
+        assert "step" not in monitor.run.summary.keys()
+        monitor.close()
+        runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
+        assert len(runs) == 1 and (runs[0] / f"run-{run_id}.wandb").is_file()
+
+        resumed = WandbMonitor(config, start_step=2)
+        assert resumed.run is not None and resumed.run.id == run_id
+        resumed.log({"step": 3, "time": 0.3, "loss/mean": 0.5})
+        resumed.close()
+    assert [str(w.message) for w in caught if "W&B" in str(w.message)] == []
+
+
+def _only_warns(monitor_factory):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor = monitor_factory()
+        monitor.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
+        monitor.close()
+    return monitor, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(
+            lambda out: Config(output_dir=out, wandb=WandbConfig(mode="bogus")), id="bad-mode"
+        ),
+        pytest.param(
+            lambda out: Config(output_dir=out, wandb=WandbConfig(mode="offline", project="a/b#?")),
+            id="bad-project",
+        ),
+        pytest.param(
+            lambda out: Config(output_dir=out, seed=object(), wandb=WandbConfig(mode="offline")),
+            id="unserializable-config",
+        ),
+    ],
+)
+def test_wandb_init_failure_only_warns(wandb_env, config):
+    cfg = config(str(wandb_env / "run"))
+    monitor, messages = _only_warns(lambda: WandbMonitor(cfg, start_step=0))
+    assert monitor.run is None
+    assert any("W&B init failed" in m for m in messages), messages
+
+
+def test_wandb_log_failure_only_warns_and_disables(wandb_env):
+    config = Config(output_dir=str(wandb_env / "run"), wandb=WandbConfig(mode="offline"))
+    monitor = WandbMonitor(config, start_step=0)
+    assert monitor.run is not None
+    monitor.run.finish()  # a dead run: logging to it fails inside W&B
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        monitor.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
+        monitor.log({"step": 2, "time": 0.0, "loss/mean": 1.0})
+        monitor.close()
+    messages = [str(w.message) for w in caught]
+    assert monitor.run is None
+    assert sum("W&B log failed at step 1" in m for m in messages) == 1, messages
+    assert not any("step 2" in m for m in messages)
+
+
+def test_wandb_failure_never_costs_the_jsonl_row(wandb_env):
+    config = Config(output_dir=str(wandb_env / "run"), wandb=WandbConfig(mode="bogus"))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        monitors = open_monitors(config, start_step=0, console=False)
+        monitors.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
+        monitors.close()
+    assert read_metrics(config.output_dir) == [{"step": 1, "time": 0.0, "loss/mean": 1.0}]

@@ -1,0 +1,228 @@
+"""Resume rules over random checkpoint directories, built for real on disk."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fnt.resume import (
+    COMPLETE_MARKER,
+    ResumeError,
+    checkpoint_dir,
+    choose_resume_step,
+    complete_steps,
+    list_checkpoints,
+    resolve_resume_step,
+    step_of,
+)
+
+SETTINGS = settings(max_examples=100, deadline=None)
+FS_SETTINGS = settings(max_examples=100, deadline=None)
+# Hypothesis builds many small trees; a RAM-backed directory keeps that fast where there is one.
+TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+STEPS = st.integers(min_value=0, max_value=60)
+# Names that are never a checkpoint, with or without a marker inside.
+UNRELATED = [
+    "foo",
+    "step_x",
+    "step_-1",
+    "step_",
+    "STEP_3",
+    "step_3_old",
+    "step_3.bak",
+    "latest",
+    "step",
+]
+
+
+@st.composite
+def listings(draw):
+    """A checkpoint directory: complete, incomplete and unrelated entries with distinct names."""
+    complete = draw(st.sets(STEPS, max_size=6))
+    unmarked = draw(st.sets(STEPS, max_size=4)) - complete  # step_N dir, marker never written
+    marker_is_dir = (
+        draw(st.sets(STEPS, max_size=2)) - complete - unmarked
+    )  # COMPLETE is a directory
+    as_file = (
+        draw(st.sets(STEPS, max_size=2)) - complete - unmarked - marker_is_dir
+    )  # step_N is a file
+    partial = draw(
+        st.sets(STEPS, max_size=4)
+    )  # step_N.partial holding the marker: a crashed rename
+    unrelated = draw(
+        st.lists(
+            st.tuples(st.sampled_from(UNRELATED), st.sampled_from(["dir", "marked", "file"])),
+            unique_by=lambda t: t[0],
+            max_size=4,
+        )
+    )
+    return {
+        "complete": complete,
+        "unmarked": unmarked,
+        "marker_is_dir": marker_is_dir,
+        "as_file": as_file,
+        "partial": partial,
+        "unrelated": unrelated,
+    }
+
+
+def build(root: Path, listing: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for n in listing["complete"]:
+        (root / f"step_{n}").mkdir()
+        (root / f"step_{n}" / "progress.json").write_text("{}")
+        (root / f"step_{n}" / COMPLETE_MARKER).write_text(f"step {n}\n")
+    for n in listing["unmarked"]:
+        (root / f"step_{n}").mkdir()
+        (root / f"step_{n}" / "progress.json").write_text("{}")
+    for n in listing["marker_is_dir"]:
+        (root / f"step_{n}" / COMPLETE_MARKER).mkdir(parents=True)
+    for n in listing["as_file"]:
+        (root / f"step_{n}").write_text(COMPLETE_MARKER)
+    for n in listing["partial"]:
+        (root / f"step_{n}.partial").mkdir()
+        (root / f"step_{n}.partial" / COMPLETE_MARKER).write_text(f"step {n}\n")
+    for name, kind in listing["unrelated"]:
+        if kind == "file":
+            (root / name).write_text("x")
+        else:
+            (root / name).mkdir()
+            if kind == "marked":
+                (root / name / COMPLETE_MARKER).write_text("x")
+
+
+@FS_SETTINGS
+@given(listings())
+def test_resolve_over_random_directories(listing):
+    with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
+        root = Path(tmp) / "checkpoints"
+        build(root, listing)
+        assert sorted(complete_steps(list_checkpoints(root))) == sorted(listing["complete"])
+
+        latest = resolve_resume_step("latest", root)
+        assert latest == (max(listing["complete"]) if listing["complete"] else None)
+        if latest is not None:
+            assert (checkpoint_dir(root, latest) / COMPLETE_MARKER).is_file()
+        assert resolve_resume_step(True, root) == latest
+        assert resolve_resume_step(None, root) is None
+        assert resolve_resume_step(False, root) is None
+
+        candidates = (
+            listing["complete"]
+            | listing["unmarked"]
+            | listing["partial"]
+            | listing["as_file"]
+            | listing["marker_is_dir"]
+            | {-1, 61}
+        )
+        for n in sorted(candidates):
+            if n in listing["complete"]:
+                assert resolve_resume_step(n, root) == n
+                continue
+            with pytest.raises(ResumeError) as info:
+                resolve_resume_step(n, root)
+            msg = str(info.value)
+            assert f"step_{n}" in msg
+            listed = msg.split("found", 1)[1]
+            assert sorted(int(x) for x in re.findall(r"\d+", listed)) == sorted(
+                listing["complete"]
+            ), msg
+
+
+def test_missing_directory(tmp_path):
+    root = tmp_path / "never_created"
+    assert list_checkpoints(root) == []
+    assert resolve_resume_step("latest", root) is None
+    assert resolve_resume_step(None, root) is None
+    with pytest.raises(ResumeError, match=r"step_3.*none"):
+        resolve_resume_step(3, root)
+
+
+def test_canonical_name_only(tmp_path):
+    """Only the name the saver writes, `step_{N}`, is a checkpoint: `step_01` is not step 1.
+
+    Otherwise "latest" picks a step whose `checkpoint_dir(root, step)` does not exist.
+    """
+    root = tmp_path / "checkpoints"
+    (root / "step_01").mkdir(parents=True)
+    (root / "step_01" / COMPLETE_MARKER).write_text("x")
+    (root / "step_007").mkdir()
+    (root / "step_007" / COMPLETE_MARKER).write_text("x")
+    step = resolve_resume_step("latest", root)
+    assert step is None or (checkpoint_dir(root, step) / COMPLETE_MARKER).is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure rules
+
+
+listing_entries = st.lists(
+    st.tuples(
+        st.one_of(
+            STEPS.map(lambda n: f"step_{n}"),
+            STEPS.map(lambda n: f"step_{n}.partial"),
+            st.sampled_from(UNRELATED),
+            st.text(alphabet="abcepstx_.-", max_size=8),
+        ),
+        st.booleans(),
+    ),
+    max_size=12,
+)
+
+
+@SETTINGS
+@given(listing_entries)
+def test_complete_steps_keeps_marked_step_dirs_only(entries):
+    steps = complete_steps(entries)
+    assert steps == sorted(steps)
+    expected = sorted(
+        int(name[5:])
+        for name, marked in entries
+        if marked and re.fullmatch(r"step_(0|[1-9][0-9]*)", name)
+    )
+    assert steps == expected
+
+
+@SETTINGS
+@given(st.lists(STEPS, unique=True, max_size=8).map(sorted), st.one_of(STEPS, st.integers(-5, -1)))
+def test_choose_resume_step(steps, n):
+    assert choose_resume_step(None, steps) is None
+    assert choose_resume_step(False, steps) is None
+    latest = max(steps) if steps else None
+    assert choose_resume_step("latest", steps) == latest
+    assert choose_resume_step(True, steps) == latest
+    if n in steps:
+        assert choose_resume_step(n, steps) == n
+    else:
+        with pytest.raises(ResumeError) as info:
+            choose_resume_step(n, steps)
+        msg = str(info.value)
+        assert f"step_{n}" in msg
+        found = msg.split("found", 1)[1]
+        assert [int(x) for x in re.findall(r"\d+", found)] == steps
+
+
+@pytest.mark.parametrize("resume", ["earliest", "3", 2.0, [1]])
+def test_choose_rejects_other_values(resume):
+    with pytest.raises(ResumeError):
+        choose_resume_step(resume, [1, 2, 3])
+
+
+def test_step_of():
+    assert step_of("step_0") == 0
+    assert step_of("step_12") == 12
+    for name in ["step_", "step_x", "step_-1", "step_3.partial", "xstep_3", "step_3 ", "Step_3"]:
+        assert step_of(name) is None, name
+
+
+@pytest.mark.parametrize("name", ["step_01", "step_007", "step_3\n", "step_\u0661"])
+def test_step_of_rejects_names_the_saver_never_writes(name):
+    """`checkpoint_dir(root, step_of(name))` must be `root / name`, or the rules pick a ghost."""
+    step = step_of(name)
+    assert step is None or f"step_{step}" == name
