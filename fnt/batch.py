@@ -85,3 +85,56 @@ class SftBatch:
             raise ValueError("an SftBatch needs at least one micro-batch")
         for mb in self.micro_batches:
             mb.check()
+
+
+@dataclass(frozen=True)
+class RLMicroBatch:
+    """One micro-batch of packed RL samples (prompt + completion per document).
+
+    Per-token tensors are aligned with `rows.input_ids`: the value at t belongs to token t, the
+    target predicted from t-1 (so position 0 of a document never carries loss).
+    """
+
+    rows: PackedRows  # loss_mask: True on completion tokens
+    advantages: Tensor  # [B, T] float32, the sample's advantage repeated on its tokens
+    temperatures: Tensor  # [B, T] float32, the sampling temperature of token t (> 0)
+    inference_logprobs: Optional[Tensor]  # [B, T] float32, log p_sampler(token t) or None
+    sample_lengths: tuple[tuple[int, ...], ...]  # per row, the token count of each document
+
+    def check(self) -> None:
+        self.rows.check()
+        shape = self.rows.input_ids.shape
+        tensors = {"advantages": self.advantages, "temperatures": self.temperatures}
+        if self.inference_logprobs is not None:
+            tensors["inference_logprobs"] = self.inference_logprobs
+        for name, t in tensors.items():
+            if t.shape != shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be floating point, got {t.dtype}")
+        if bool((self.temperatures[self.rows.loss_mask] <= 0).any()):
+            raise ValueError("temperatures must be > 0 on loss tokens")
+        if len(self.sample_lengths) != shape[0]:
+            raise ValueError(f"sample_lengths has {len(self.sample_lengths)} rows, expected {shape[0]}")
+        for row, lengths in enumerate(self.sample_lengths):
+            if sum(lengths) > shape[1]:
+                raise ValueError(f"row {row}: sample lengths {lengths} exceed the row length {shape[1]}")
+
+
+@dataclass(frozen=True)
+class RLBatch:
+    """This rank's share of one RL optimizer step."""
+
+    micro_batches: tuple[RLMicroBatch, ...]
+    num_samples: int
+    """Completions (documents) in this rank's share."""
+    data_after: DataPosition
+    """The prompt-stream position after this step, the same on every rank."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """Rollout metrics of this step (reward/mean, time/rollout, ...), logged in the step's row."""
+
+    def check(self) -> None:
+        if not self.micro_batches:
+            raise ValueError("an RLBatch needs at least one micro-batch")
+        for mb in self.micro_batches:
+            mb.check()
