@@ -7,6 +7,7 @@ each; `document_ids` says which tokens belong together so attention never crosse
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -138,3 +139,15 @@ class RLBatch:
             raise ValueError("an RLBatch needs at least one micro-batch")
         for mb in self.micro_batches:
             mb.check()
+
+
+def to_device(obj, device: torch.device):
+    """A copy of a batch dataclass with every tensor field (nested too) moved to `device`."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Tensor):
+            changes[f.name] = value.to(device)
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = to_device(value, device)
+    return dataclasses.replace(obj, **changes)

@@ -1,18 +1,29 @@
 """The parts of an optimizer step that SFT and RL share. Side effects: collectives, grads, params.
 
-A step function computes its loss and calls `backward_`, then `optimizer_update_` once.
+A step function hands its per-micro-batch loss to `accumulate_gradients_`, then calls
+`optimizer_update_` once. Both SFT and RL normalize by the GLOBAL number of loss tokens of the
+step (all micro-batches, all ranks), so k micro-batches or n ranks give the gradient of one big
+batch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fnt.batch import PackedRows, block_causal_mask
+from fnt.batch import PackedRows, block_causal_mask, to_device
+from fnt.moe import moe_metrics, record_router_logits, router_stats
 from fnt.optim import set_lr_
 from fnt.schedule import lr_at
-from fnt.setup import num_experts_of
+from fnt.setup import Runtime, num_experts_of
+
+# (logits [B, T, V], micro-batch on the device) -> (sum of the per-token loss over loss tokens,
+# extra metric sums). The loss sum must be a differentiable scalar; the sums are detached scalars.
+LossFn = Callable[[Tensor, Any], tuple[Tensor, dict[str, Tensor]]]
 
 
 def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
@@ -20,6 +31,15 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     if distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
+    """Logits [B, T, V] of packed rows, documents isolated by the block-causal mask."""
+    return model(
+        input_ids=rows.input_ids,
+        position_ids=rows.position_ids,
+        attention_mask=block_causal_mask(rows.document_ids),
+    ).logits
 
 
 def moe_top_k(model: nn.Module) -> int:
@@ -30,13 +50,90 @@ def moe_top_k(model: nn.Module) -> int:
     return int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
 
 
-def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
-    """Logits [B, T, V] of packed rows, documents isolated by the block-causal mask."""
-    return model(
-        input_ids=rows.input_ids,
-        position_ids=rows.position_ids,
-        attention_mask=block_causal_mask(rows.document_ids),
-    ).logits
+@dataclass(frozen=True)
+class StepTotals:
+    """Global sums over ranks and micro-batches of one step's forward/backward."""
+
+    loss_sum: Tensor  # [] float32, the loss summed over the finite micro-batches
+    nan_count: Tensor  # [] float32, micro-batches left out for a non-finite loss
+    sums: dict[str, Tensor]  # the loss function's extra metric sums
+    loss_tokens: float
+    samples: float
+    tokens: float
+    moe_stats: Optional[Tensor]  # [L, E + 2] summed router statistics (fnt.moe), None if dense
+
+    def metrics(self) -> dict[str, Tensor]:
+        """loss/mean, loss/nan_count and, for MoE models, the router statistics."""
+        out = {
+            "loss/mean": self.loss_sum / max(self.loss_tokens, 1.0),
+            "loss/nan_count": self.nan_count,
+        }
+        if self.moe_stats is not None:
+            out.update(moe_metrics(self.moe_stats))
+        return out
+
+
+def accumulate_gradients_(
+    model: nn.Module, batch: Any, runtime: Runtime, loss_fn: LossFn,
+    rows_of: Callable[[Any], PackedRows] = lambda mb: mb,
+) -> StepTotals:
+    """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
+
+    `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
+    rows. A micro-batch whose loss is NaN/inf is left out of the loss and counted. In a single
+    process its backward is skipped. Under FSDP2 every rank must run the same backward
+    collectives, so it back-propagates an all-zero surrogate instead; should non-finite values
+    still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
+    the update. Checking finiteness costs one host sync per micro-batch.
+    """
+    device, distributed = runtime.device, runtime.distributed
+    local = torch.tensor(
+        [
+            float(sum(int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
+            float(batch.num_samples),
+            float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    loss_tokens, samples, tokens = all_reduce_sum(local, distributed).tolist()
+    # FSDP2 averages gradients over the data-parallel ranks; scaling by dp turns that average
+    # back into the global sum before the division by the global count.
+    scale = runtime.dims.dp / max(loss_tokens, 1.0)
+
+    top_k = moe_top_k(model)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    nan_count = torch.zeros((), dtype=torch.float32, device=device)
+    sums: dict[str, Tensor] = {}
+    moe_stats = None
+    for mb in batch.micro_batches:
+        mb = to_device(mb, device)
+        with record_router_logits(model) as router_logits:
+            logits = packed_logits(model, rows_of(mb))
+        if top_k:
+            stats = router_stats(router_logits, top_k)
+            moe_stats = stats if moe_stats is None else moe_stats + stats
+        mb_loss, mb_sums = loss_fn(logits, mb)
+        if bool(torch.isfinite(mb_loss)):
+            (mb_loss * scale).backward()
+            loss_sum += mb_loss.detach()
+            for key, value in mb_sums.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().float()
+        else:
+            nan_count += 1
+            if distributed:
+                (logits.sum() * 0.0).backward()
+    keys = sorted(sums)
+    reduced = all_reduce_sum(
+        torch.stack([loss_sum, nan_count, *(torch.as_tensor(sums[k], device=device) for k in keys)]),
+        distributed,
+    )
+    if moe_stats is not None:
+        moe_stats = all_reduce_sum(moe_stats, distributed)
+    return StepTotals(
+        loss_sum=reduced[0], nan_count=reduced[1], sums=dict(zip(keys, reduced[2:])),
+        loss_tokens=loss_tokens, samples=samples, tokens=tokens, moe_stats=moe_stats,
+    )
 
 
 def grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
@@ -67,3 +164,29 @@ def optimizer_update_(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"optim/lr": lr, "optim/grad_norm": norm, "optim/skipped": 0.0 if finite else 1.0}
+
+
+def complete_step_(
+    state: Any, batch: Any, totals: StepTotals, loss_metrics: dict[str, Any], fwd_bwd_seconds: float
+) -> tuple[Any, dict[str, Any]]:
+    """The shared tail of every step: optimizer update, the step's metrics, the successor state.
+
+    `loss_metrics` are the step function's own (e.g. loss/perplexity, entropy/all/mean); the
+    batch's data-side metrics are appended so the row carries them too.
+    """
+    handles = state.handles
+    optim_metrics = optimizer_update_(handles.model, handles.optimizer, state.progress.step + 1, state.config)
+    metrics = {
+        **totals.metrics(),
+        **loss_metrics,
+        **optim_metrics,
+        "time/forward_backward": fwd_bwd_seconds,
+        **batch.metrics,
+    }
+    progress = state.progress
+    next_state = state.advance(
+        total_tokens=progress.total_tokens + int(totals.tokens),
+        total_samples=progress.total_samples + int(totals.samples),
+        data=batch.data_after,
+    )
+    return next_state, metrics

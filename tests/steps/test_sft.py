@@ -13,7 +13,8 @@ from fnt.loop import build_state, fold
 from fnt.setup import setup_trainer
 from fnt.state import StaleStateError
 from fnt.synthetic import synthetic_rows, take_rows
-from steps.sft import sft_backward_, sft_step
+from fnt.update import accumulate_gradients_
+from steps.sft import sft_loss, sft_step
 
 
 def make_state(model_dir, **overrides):
@@ -57,7 +58,7 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny_model_dir, 
 
     def grads_for(micro_batch_size):
         model.zero_grad(set_to_none=True)
-        totals = sft_backward_(model, batch_of(rows, micro_batch_size), runtime)
+        totals = accumulate_gradients_(model, batch_of(rows, micro_batch_size), runtime, sft_loss)
         return totals, [p.grad.clone() for p in model.parameters()]
 
     full_totals, full = grads_for(4)
