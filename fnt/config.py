@@ -205,7 +205,15 @@ class Config:
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The one-line docstring under each field of a dataclass, read from its source."""
+    """The one-line docstring under each field of a dataclass (and its bases), from source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs: dict[str, str] = {}
@@ -633,3 +641,52 @@ def from_json(cls: type, text: str) -> Any:
     table = json.loads(text)
     sources = {k: "json" for k in flatten(table)}
     return _build(cls, table, sources)
+
+
+# ---------------------------------------------------------------------------------------------
+# RL
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RLLossConfig:
+    eps_low: float = 0.2
+    """Mask tokens with A < 0 whose importance ratio is already below 1 - eps_low."""
+    eps_high: float = 0.28
+    """Mask tokens with A > 0 whose importance ratio is already above 1 + eps_high."""
+    kl_tau: float = 0.0
+    """Weight of the penalty kl_tau * (log r)^2; 0 turns it off."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["in_process", "external"] = "in_process"
+    """in_process: generate with the current policy here; external: read {output_dir}/rollouts/."""
+    prompts: str = ""
+    """JSONL file of prompts: {"prompt": ...} or {"messages": [...]}, plus fields for the reward."""
+    prompts_per_step: int = 4
+    """Prompts sampled per optimizer step, over all data-parallel ranks."""
+    group_size: int = 4
+    """Completions generated per prompt (advantages are relative within the group)."""
+    max_new_tokens: int = 32
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    reward: str = ""
+    """Reward function: a registry name (see fnt.rewards) or "module:function"."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (plus eps)."""
+    timeout_s: float = 600.0
+    """External engine: how long to wait for a step's rollouts."""
+    keep_weights: int = 2
+    """External engine: published weight directories to keep."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RLConfig(Config):
+    loss: RLLossConfig = field(default_factory=RLLossConfig)
+    """The policy-gradient loss."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout generation and rewards."""
