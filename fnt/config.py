@@ -690,3 +690,13 @@ class RLConfig(Config):
     """The policy-gradient loss."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Rollout generation and rewards."""
+
+
+def markdown_keys(cls: type = RLConfig) -> str:
+    """A Markdown table of every key of `cls` (type, default, description), for the README."""
+    defaults = flatten(to_plain(cls()))
+    lines = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for key, (tp, doc) in all_keys(cls).items():
+        kind = type_name(tp).replace("|", "\\|")
+        lines.append(f"| `{key}` | {kind} | `{json.dumps(defaults.get(key))}` | {doc} |")
+    return "\n".join(lines)
