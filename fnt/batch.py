@@ -6,9 +6,10 @@ each; `document_ids` says which tokens belong together so attention never crosse
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -121,6 +121,8 @@ def accumulate_gradients_(
                 sums[key] = sums.get(key, 0.0) + value.detach().float()
         else:
             nan_count += 1
+            for key in mb_sums:  # every rank must all-reduce the same keys
+                sums.setdefault(key, torch.zeros((), device=device))
             if distributed:
                 (logits.sum() * 0.0).backward()
     keys = sorted(sums)

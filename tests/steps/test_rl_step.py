@@ -1,0 +1,148 @@
+"""rl_step on the tiny model: successor state and metrics, learning, accumulation equivalence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
+from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
+from fnt.loop import build_state, fold
+from fnt.setup import setup_trainer
+from fnt.synthetic import take_rows
+from fnt.update import accumulate_gradients_, packed_logits
+from steps.rl import rl_loss, rl_step
+
+ROWS, T = 4, 32
+# Different loss-token counts per row, so a per-micro-batch mean would differ from the global one.
+PROMPT_LENGTHS = (8, 12, 16, 20)
+ADVANTAGES = (1.0, -1.0, 1.0, -1.0)
+TEMPERATURES = (1.0, 0.7, 1.3, 1.0)
+RL_KEYS = {
+    "loss/mean", "entropy/all/mean", "masked/high_fraction", "masked/low_fraction",
+    "optim/grad_norm",
+}
+MISMATCH_KEYS = {"mismatch_kl/all/mean", "kl_ent_ratio/mean"}
+
+
+def make_state(model_dir, lr=1e-2, loss=RLLossConfig()):
+    config = RLConfig(
+        model=ModelConfig(name=str(model_dir)), optim=OptimConfig(lr=lr, max_norm=1.0),
+        max_steps=10, seq_len=T, loss=loss,
+    )
+    state, _ = build_state(config, setup_trainer(config))
+    return state
+
+
+def random_rows(seed: int) -> PackedRows:
+    """One prompt + completion per row; the completion (after the prompt) carries the loss."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 256, (ROWS, T), generator=gen)
+    positions = torch.arange(T).expand(ROWS, T).contiguous()
+    loss_mask = positions >= torch.tensor(PROMPT_LENGTHS)[:, None]
+    return PackedRows(input_ids, positions, torch.zeros_like(input_ids), loss_mask)
+
+
+def per_row(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)[:, None].expand(ROWS, T).contiguous()
+
+
+def own_logprobs(model, rows: PackedRows) -> torch.Tensor:
+    """The model's logprobs [B, T] of each token at its row's temperature (0 at position 0)."""
+    with torch.no_grad():
+        logits = packed_logits(model, rows)[:, :-1] / per_row(TEMPERATURES)[:, 1:, None]
+        lp = torch.log_softmax(logits, -1).gather(-1, rows.input_ids[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(ROWS, 1), lp], dim=1)
+
+
+def rl_batch(rows: PackedRows, inference_logprobs=None, size=ROWS) -> RLBatch:
+    """The rows in micro-batches of `size` rows, with the per-row advantages and temperatures."""
+    advantages, temperatures = per_row(ADVANTAGES), per_row(TEMPERATURES)
+
+    def micro(lo, hi):
+        part = take_rows(rows, lo, hi)
+        inference = None if inference_logprobs is None else inference_logprobs[lo:hi]
+        return RLMicroBatch(
+            part, advantages[lo:hi], temperatures[lo:hi], inference, ((T,),) * (hi - lo)
+        )
+
+    return RLBatch(
+        micro_batches=tuple(micro(i, i + size) for i in range(0, ROWS, size)),
+        num_samples=ROWS, data_after=DataPosition(0, ROWS), metrics={"reward/mean": 0.5},
+    )
+
+
+def completion_logprob(model, rows: PackedRows, row: int) -> float:
+    return float(own_logprobs(model, rows)[row][rows.loss_mask[row]].mean())
+
+
+def test_on_policy_step_returns_the_successor_and_its_metrics(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    rows = random_rows(0)
+    batch = rl_batch(rows, own_logprobs(state.handles.model, rows))
+    state, metrics = rl_step(state, batch)
+
+    assert state.progress.step == 1
+    assert state.progress.total_samples == ROWS and state.progress.data == DataPosition(0, ROWS)
+    assert RL_KEYS | MISMATCH_KEYS | {"reward/mean"} <= set(metrics)
+    assert float(metrics["reward/mean"]) == 0.5
+    # Inference logprobs equal to the trainer's: r = 1, so no mismatch, no masking, and the loss
+    # is minus the mean advantage over the loss tokens of all rows.
+    assert abs(float(metrics["mismatch_kl/all/mean"])) < 1e-5
+    assert abs(float(metrics["kl_ent_ratio/mean"])) < 1e-5
+    assert float(metrics["masked/high_fraction"]) == 0
+    assert float(metrics["masked/low_fraction"]) == 0
+    counts = [T - p for p in PROMPT_LENGTHS]
+    expected = -sum(a * n for a, n in zip(ADVANTAGES, counts)) / sum(counts)
+    assert float(metrics["loss/mean"]) == pytest.approx(expected, abs=1e-5)
+    assert 0 < float(metrics["entropy/all/mean"]) <= math.log(state.handles.model.config.vocab_size)
+
+
+def test_without_inference_logprobs_the_mismatch_metrics_are_absent(tiny_model_dir):
+    state, metrics = rl_step(make_state(tiny_model_dir), rl_batch(random_rows(1)))
+    assert state.progress.step == 1
+    assert RL_KEYS <= set(metrics)
+    assert not MISMATCH_KEYS & set(metrics)
+
+
+def test_positive_advantage_completions_become_more_likely(tiny_model_dir):
+    state = make_state(tiny_model_dir, lr=1e-2)
+    model, rows = state.handles.model, random_rows(2)
+    before = [completion_logprob(model, rows, r) for r in range(ROWS)]
+    for state, _ in fold(state, [rl_batch(rows)] * 4, rl_step):
+        pass
+    after = [completion_logprob(model, rows, r) for r in range(ROWS)]
+    for r, advantage in enumerate(ADVANTAGES):
+        if advantage > 0:
+            assert after[r] > before[r] + 0.1, (r, before, after)
+        else:
+            assert after[r] < before[r] - 0.1, (r, before, after)
+
+
+def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir):
+    loss_config = RLLossConfig(eps_low=0.2, eps_high=0.28, kl_tau=0.1)
+    state = make_state(tiny_model_dir, loss=loss_config)
+    model, runtime = state.handles.model, state.handles.runtime
+    rows = random_rows(3)
+    # Off-policy enough that both masking rules and the penalty contribute.
+    noise = 0.5 * torch.randn(ROWS, T, generator=torch.Generator().manual_seed(4))
+    inference = own_logprobs(model, rows) + noise
+
+    def grads_for(micro_batch_size):
+        model.zero_grad(set_to_none=True)
+        totals = accumulate_gradients_(
+            model, rl_batch(rows, inference, micro_batch_size), runtime,
+            lambda logits, mb: rl_loss(logits, mb, loss_config), rows_of=lambda mb: mb.rows,
+        )
+        return totals, [p.grad.clone() for p in model.parameters()]
+
+    full_totals, full = grads_for(ROWS)
+    acc_totals, acc = grads_for(1)
+    assert full_totals.sums["masked_high"] > 0 and full_totals.sums["masked_low"] > 0
+    torch.testing.assert_close(acc_totals.loss_sum, full_totals.loss_sum, rtol=0, atol=1e-4)
+    for key, value in full_totals.sums.items():
+        torch.testing.assert_close(acc_totals.sums[key], value, rtol=1e-5, atol=1e-4)
+    for g_full, g_acc in zip(full, acc):
+        torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
