@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import math
 import os
 import sys
 import textwrap
@@ -550,7 +551,7 @@ def load_config(argv: list[str], cls: type = Config) -> tuple[Any, CliArgs]:
 # Cross-field validation
 
 
-def validate(config: Config, world_size: int) -> None:
+def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat list of rules
     """Rules that involve values, several fields or the world size; raises ConfigError."""
 
     def require(ok: bool, key: str, message: str) -> None:
@@ -600,6 +601,38 @@ def validate(config: Config, world_size: int) -> None:
         "batch_size",
         f"must be divisible by micro_batch_size ({config.micro_batch_size}) x data-parallel size "
         f"({dp}) = {rows_per_pass}",
+    )
+    if isinstance(config, RLConfig):
+        require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
+        require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
+        require(config.loss.eps_low >= 0, "loss.eps_low", "must be >= 0")
+        require(config.loss.eps_high >= 0, "loss.eps_high", "must be >= 0")
+        require(config.loss.kl_tau >= 0, "loss.kl_tau", "must be >= 0")
+        if config.rollout.engine == "in_process":
+            validate_rollout(config.rollout, dp_size=dp)
+
+
+def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
+    """ConfigError unless the in-process engine's settings can run on dp_size ranks. Pure."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
+
+    require(bool(rollout.prompts), "prompts", "name a JSONL file of prompts")
+    require(bool(rollout.reward), "reward", 'name a reward (see fnt.rewards) or "module:function"')
+    require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
+    require(
+        rollout.prompts_per_step % dp_size == 0,
+        "prompts_per_step",
+        f"must be divisible by the data-parallel size ({dp_size}): each rank takes an equal share",
+    )
+    require(rollout.group_size >= 1, "group_size", "must be at least 1")
+    require(rollout.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+    require(
+        math.isfinite(rollout.temperature) and rollout.temperature > 0,
+        "temperature",
+        "must be a finite number > 0",
     )
 
 

@@ -14,7 +14,7 @@ from fnt.synthetic import synthetic_batches
 
 
 def sft_batches(state: TrainState) -> Iterator[SftBatch]:
-    """This rank's SFT batches for steps progress.step + 1, + 2, ..."""
+    """This rank's SFT batches for steps progress.step + 1, + 2, ... (synthetic or JSONL)."""
     config, runtime = state.config, state.handles.runtime
     common = dict(
         seed=config.seed,
@@ -26,4 +26,9 @@ def sft_batches(state: TrainState) -> Iterator[SftBatch]:
     )
     if config.data.kind == "synthetic":
         return synthetic_batches(start_step=state.progress.step, start=state.progress.data, **common)
-    raise NotImplementedError("data.kind = 'jsonl' arrives with the data pipeline")
+    from transformers import AutoTokenizer
+
+    from fnt.data import sft_batches as jsonl_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    return jsonl_batches(config.data, tokenizer, start=state.progress.data, **common)

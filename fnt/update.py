@@ -33,12 +33,26 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     return t
 
 
+def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
+    """The block-causal mask in the form the model's attention kernel honours.
+
+    sdpa takes the boolean mask as is; eager attention adds the mask to its scores, so it needs
+    an additive float mask (0 where visible, the dtype's minimum where not).
+    """
+    mask = block_causal_mask(rows.document_ids)
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
 def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
     """Logits [B, T, V] of packed rows, documents isolated by the block-causal mask."""
     return model(
         input_ids=rows.input_ids,
         position_ids=rows.position_ids,
-        attention_mask=block_causal_mask(rows.document_ids),
+        attention_mask=attention_mask_for(model, rows),
+        use_cache=False,
     ).logits
 
 

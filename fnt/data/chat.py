@@ -1,10 +1,11 @@
-"""Turn one JSONL record into token ids and a loss mask via the chat template. Pure: no side effects.
+"""Turn one JSONL record into token ids and a loss mask via the chat template. Pure.
 
 Record formats:
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: a chat, rendered with the tokenizer's chat
   template. Extra keys in a message (e.g. `name`) are passed to the template unchanged.
-- `{"prompt": ..., "completion": ...}`: rendered as the chat `[user: prompt, assistant: completion]`,
-  so both formats go through the same template and look alike to the model.
+- `{"prompt": ..., "completion": ...}`: rendered as the chat
+  `[user: prompt, assistant: completion]`, so both formats go through the same template and look
+  alike to the model.
 Other top-level keys (e.g. `id`) are ignored.
 
 Which tokens are targets: the assistant turns, from the first token after the assistant header
@@ -13,12 +14,12 @@ Which tokens are targets: the assistant turns, from the first token after the as
 newline in ChatML) are not targets: generation stops at eos, so the model never produces them. A
 template whose assistant turn contains no eos token gets its whole assistant text as target.
 
-How the mask is found, for any template: the conversation is rendered at each assistant boundary
-(`messages[:i]` with the generation prompt, then `messages[:i+1]`) and each rendering must extend the
-previous one. Templates that rewrite earlier turns (e.g. dropping earlier reasoning) fail that
-check with an error rather than a silently wrong mask. The text between boundaries is tokenized
-piece by piece, the way inference sees it: the prompt is tokenized as its own string and the
-answer's tokens follow it.
+How the mask is found, for any template: the conversation is rendered at each assistant
+boundary (`messages[:i]` with the generation prompt, then `messages[:i+1]`) and each rendering must
+extend the previous one. Templates that rewrite earlier turns (e.g. dropping earlier reasoning)
+fail that check with an error rather than a silently wrong mask. The text between boundaries is
+tokenized piece by piece, the way inference sees it: the prompt is tokenized as its own string and
+the answer's tokens follow it.
 """
 
 from __future__ import annotations

@@ -104,8 +104,8 @@ class Corpus:
         return Corpus(
             source_names=tuple(names),
             source_sizes=tuple(sizes),
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            target_mask=torch.tensor(targets, dtype=torch.bool),
+            input_ids=_to_tensor(ids, torch.int64),
+            target_mask=_to_tensor(targets, torch.int8).bool(),
             offsets=tuple(offsets),
             fates=tuple(fates),
         )
@@ -129,3 +129,10 @@ class Corpus:
     @cached_property
     def _source_ends(self) -> list[int]:
         return list(accumulate(self.source_sizes))
+
+
+def _to_tensor(values: array, dtype: torch.dtype) -> Tensor:
+    # frombuffer copies at memory speed, where torch.tensor(array) converts item by item.
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype).clone()

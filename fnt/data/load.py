@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 from fnt.data.chat import conversation_from_record, tokenize_conversation
+from fnt.config import source_name
 from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
 
 
@@ -22,11 +23,6 @@ class Source(Protocol):
     path: str
     weight: float
     name: str
-
-
-def source_name(source: Source) -> str:
-    """The name metrics use for a source: its name, or the file stem when the name is empty."""
-    return source.name or Path(source.path).stem
 
 
 def load_corpus(sources: Sequence[Source], tokenizer, *, seq_len: int, overlong: str) -> Corpus:
@@ -42,7 +38,9 @@ def load_corpus(sources: Sequence[Source], tokenizer, *, seq_len: int, overlong:
     names = [source_name(source) for source in sources]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(f"data source names must be unique (they key metrics); repeated: {duplicates}")
+        raise ValueError(
+            f"data source names must be unique (they key metrics); repeated: {duplicates}"
+        )
     corpus = Corpus.build(
         (name, _fitted_samples(Path(source.path), tokenizer, seq_len=seq_len, overlong=overlong))
         for name, source in zip(names, sources)
@@ -53,7 +51,8 @@ def load_corpus(sources: Sequence[Source], tokenizer, *, seq_len: int, overlong:
         if all(fate.dropped for fate in fates):
             raise DataError(
                 f"{source.path}: no sample is usable with seq_len={seq_len} and "
-                f"data.overlong={overlong!r} ({fates.count(SampleFate.DROPPED_OVERLONG)} over-long, "
+                f"data.overlong={overlong!r} "
+                f"({fates.count(SampleFate.DROPPED_OVERLONG)} over-long, "
                 f"{fates.count(SampleFate.DROPPED_NO_LOSS)} without target tokens)"
             )
         first_id += size

@@ -83,7 +83,9 @@ def pack_rows(
         input_ids.append(torch.cat([ids for ids, _ in row] + [torch.full((pad,), pad_token_id)]))
         position_ids.append(torch.cat([torch.arange(n) for n in [*lengths, pad]]))
         document_ids.append(torch.cat([torch.full((n,), d) for d, n in enumerate([*lengths, pad])]))
-        loss_mask.append(torch.cat([mask for _, mask in row] + [torch.zeros(pad, dtype=torch.bool)]))
+        loss_mask.append(
+            torch.cat([mask for _, mask in row] + [torch.zeros(pad, dtype=torch.bool)])
+        )
     return PackedRows(
         input_ids=torch.stack(input_ids),
         position_ids=torch.stack(position_ids),
@@ -96,10 +98,11 @@ def step_metrics(plan: StepPlan, corpus: Corpus, *, seq_len: int) -> dict[str, f
     """Data metrics of a whole step (all ranks), so they are the same on every rank.
 
     data/truncated, data/dropped_overlong, data/dropped_no_loss: samples this step consumed with
-    that fate. data/loss_tokens: target tokens of the step, e.g. to normalize the loss over all
-    ranks and micro-batches. data/pad_fraction: padded share of the step's batch_size * seq_len
-    positions. With two or more sources, progress/{source}/ratio_samples and ratio_tokens: each
-    source's share of the step's packed samples and of their (non-pad) tokens.
+    that fate. data/num_samples, data/num_tokens: packed samples and their (non-pad) tokens.
+    data/loss_tokens: target tokens, e.g. to normalize the loss over all ranks and micro-batches.
+    data/pad_fraction: padded share of the step's batch_size * seq_len positions.
+    With two or more sources, progress/{source}/ratio_samples and ratio_tokens: each source's share
+    of the step's packed samples and of their (non-pad) tokens.
     """
     packed = [sample_id for row in plan.rows for sample_id in row]
     fates = [corpus.fates[i] for i in [*packed, *plan.skipped]]
@@ -109,6 +112,8 @@ def step_metrics(plan: StepPlan, corpus: Corpus, *, seq_len: int) -> dict[str, f
         "data/truncated": float(fates.count(SampleFate.TRUNCATED)),
         "data/dropped_overlong": float(fates.count(SampleFate.DROPPED_OVERLONG)),
         "data/dropped_no_loss": float(fates.count(SampleFate.DROPPED_NO_LOSS)),
+        "data/num_samples": float(len(packed)),
+        "data/num_tokens": float(total_tokens),
         "data/loss_tokens": float(sum(int(corpus.tokens(i)[1].sum()) for i in packed)),
         "data/pad_fraction": 1.0 - total_tokens / (len(plan.rows) * seq_len),
     }

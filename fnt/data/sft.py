@@ -43,9 +43,7 @@ def sft_batches(
     )
     if pad_token_id is None:
         raise ValueError("the tokenizer has neither a pad token nor an eos token to pad rows with")
-    corpus = load_corpus(
-        data_cfg.sources, tokenizer, seq_len=seq_len, overlong=data_cfg.overlong
-    )
+    corpus = load_corpus(data_cfg.sources, tokenizer, seq_len=seq_len, overlong=data_cfg.overlong)
     order = SampleOrder(
         source_sizes=corpus.source_sizes,
         weights=tuple(float(source.weight) for source in data_cfg.sources),
@@ -77,7 +75,7 @@ def iter_sft_batches(
     pad_token_id: int,
     start: DataPosition,
 ) -> Iterator[SftBatch]:
-    """The batch stream over an already tokenized corpus; checks its arguments before the first batch."""
+    """The batch stream over a tokenized corpus; arguments are checked before the first batch."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     order.check(start)
 
@@ -114,7 +112,10 @@ def rank_batch(
     rows = plan.rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     micro_batches = tuple(
         pack_rows(
-            [[corpus.tokens(sample_id) for sample_id in row] for row in rows[i : i + micro_batch_size]],
+            [
+                [corpus.tokens(sample_id) for sample_id in row]
+                for row in rows[i : i + micro_batch_size]
+            ],
             seq_len=seq_len,
             pad_token_id=pad_token_id,
         )
@@ -128,8 +129,10 @@ def rank_batch(
     )
 
 
-def check_batch_layout(batch_size: int, micro_batch_size: int, *, dp_rank: int, dp_size: int) -> None:
-    """ValueError unless batch_size rows split evenly into ranks and each rank's into micro-batches."""
+def check_batch_layout(
+    batch_size: int, micro_batch_size: int, *, dp_rank: int, dp_size: int
+) -> None:
+    """ValueError unless batch_size rows split evenly over ranks and then into micro-batches."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
     if micro_batch_size < 1 or batch_size < 1:

@@ -1,0 +1,125 @@
+"""RL prompts: read a JSONL file, render each prompt with the chat template, and the prompt order.
+`load_prompts` reads the file; everything else is pure.
+
+Records: `{"prompt": str, ...}` is one user message; `{"messages": [...], ...}` is a chat whose last
+message is not the assistant's. Either is rendered with `add_generation_prompt=True`, so the model
+continues with the assistant's answer. Every field of the record stays available to the reward.
+
+Order: the prompts of epoch e are a permutation seeded by (seed, e) (fnt.data.order with one
+source), so the prompt at a data position (epoch, cursor) is a pure function of (seed, epoch,
+cursor). Step N takes the next prompts_per_step prompts of that order, wrapping into the next epoch,
+and rank r takes the r-th contiguous share of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fnt.batch import DataPosition
+from fnt.data.load import DataError
+from fnt.data.order import SampleOrder
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of the JSONL file, rendered and tokenized."""
+
+    record: Mapping[str, Any]
+    """The JSONL record as read (what the reward function sees)."""
+    token_ids: tuple[int, ...]
+    """The rendered conversation up to and including the assistant's generation prompt."""
+    line: int
+    """1-based line number in the file, for error messages."""
+
+
+def prompt_messages(record: object) -> list[dict[str, Any]]:
+    """The chat messages of a prompt record; ValueError says what is wrong with a bad record."""
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    if ("prompt" in record) == ("messages" in record):
+        raise ValueError(
+            f"a prompt record has exactly one of 'prompt' or 'messages'; got keys {sorted(record)}"
+        )
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise ValueError(f"'prompt' must be a string, got {type(record['prompt']).__name__}")
+        return [{"role": "user", "content": record["prompt"]}]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"messages[{i}] needs a string {key!r}")
+    if messages[-1]["role"] == "assistant":
+        raise ValueError(
+            "the last message is the assistant's; a prompt ends where the answer starts"
+        )
+    return messages
+
+
+def render_prompt(messages: Sequence[Mapping[str, Any]], tokenizer) -> list[int]:
+    """Token ids of the conversation rendered with the generation prompt, ready to continue."""
+    if not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template, which prompt rendering needs")
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    # The template already wrote any special tokens it wants; the tokenizer must not add more.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def load_prompts(path: str | Path, tokenizer) -> tuple[Prompt, ...]:
+    """Every prompt of a JSONL file; a bad line raises DataError naming the file and line."""
+    path = Path(path)
+    try:
+        file = path.open("rb")
+    except OSError as e:
+        raise DataError(f"cannot read the prompts file {path}: {e}") from e
+    prompts = []
+    with file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+                token_ids = render_prompt(prompt_messages(record), tokenizer)
+            except ValueError as e:  # also bad JSON and bad UTF-8, which subclass ValueError
+                raise DataError(f"{path}, line {line_number}: {e}") from e
+            if not token_ids:
+                raise DataError(f"{path}, line {line_number}: the prompt renders to no tokens")
+            prompts.append(Prompt(record=record, token_ids=tuple(token_ids), line=line_number))
+    if not prompts:
+        raise DataError(f"{path}: the file is empty (no JSONL prompt records)")
+    return tuple(prompts)
+
+
+def prompt_order(num_prompts: int, seed: int) -> SampleOrder:
+    """The order prompts are drawn in: a fresh seeded permutation of all prompts every epoch."""
+    return SampleOrder(source_sizes=(num_prompts,), weights=(1.0,), seed=seed, shuffle=True)
+
+
+def step_prompts(
+    order: SampleOrder, start: DataPosition, count: int
+) -> tuple[tuple[int, ...], DataPosition]:
+    """The `count` prompt ids from `start` on in `order` (epochs wrap) and the position after."""
+    if count < 1:
+        raise ValueError(f"a step takes at least one prompt, got count={count}")
+    taken = list(itertools.islice(order.iter_from(start), count + 1))
+    return tuple(prompt_id for _, prompt_id in taken[:count]), taken[count][0]
+
+
+def rank_share(items: Sequence[Any], dp_rank: int, dp_size: int) -> tuple[Any, ...]:
+    """Rank dp_rank's contiguous share of a step's items; their number must divide by dp_size."""
+    if len(items) % dp_size:
+        raise ValueError(
+            f"{len(items)} prompts per step do not split evenly over {dp_size} data-parallel "
+            f"ranks: make rollout.prompts_per_step a multiple of {dp_size}"
+        )
+    per_rank = len(items) // dp_size
+    return tuple(items[dp_rank * per_rank : (dp_rank + 1) * per_rank])

@@ -1,0 +1,29 @@
+"""RL entry point: `python scripts/rl.py --config FILE.toml [--key=value]...`
+
+Same driver, config system, checkpoints and metrics as SFT; rollouts come from the in-process
+engine or, with `--rollout.engine external`, from an orchestrator writing {output_dir}/rollouts/.
+Exits 2 on a bad config before any model is built.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fnt.cli import config_from_argv, exit_on_config_error
+from fnt.config import ConfigError, RLConfig
+
+
+def main(argv: list[str]) -> None:
+    config = config_from_argv(argv, RLConfig)
+    from fnt.loop import run
+    from fnt.rollout import rl_batches
+    from steps.rl import rl_step
+
+    try:
+        run(config, rl_step, rl_batches)
+    except ConfigError as exc:
+        exit_on_config_error(exc)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""Records to token ids and loss masks through the tiny model's ChatML template."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from fnt.data import conversation_from_record, tokenize_conversation
+
+contents = st.text(max_size=20)
+
+
+@st.composite
+def conversations(draw) -> list[dict]:
+    messages = []
+    if draw(st.booleans()):
+        messages.append({"role": "system", "content": draw(contents)})
+    for _ in range(draw(st.integers(1, 3))):
+        messages.append({"role": "user", "content": draw(contents)})
+        for _ in range(draw(st.integers(1, 2))):  # sometimes two assistant turns in a row
+            messages.append({"role": "assistant", "content": draw(contents)})
+    if draw(st.booleans()):
+        messages.append({"role": "user", "content": draw(contents)})
+    return messages
+
+
+def target_runs(ids: list[int], targets: list[bool]) -> list[list[int]]:
+    """Maximal stretches of consecutive target tokens."""
+    runs: list[list[int]] = []
+    for i, (token, is_target) in enumerate(zip(ids, targets)):
+        if is_target:
+            if i == 0 or not targets[i - 1]:
+                runs.append([])
+            runs[-1].append(token)
+    return runs
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages=conversations())
+def test_targets_are_each_assistant_turn_through_its_eos(tokenizer, messages):
+    ids, targets = tokenize_conversation(messages, tokenizer)
+    decoded_runs = [tokenizer.decode(run) for run in target_runs(ids, targets)]
+    assert decoded_runs == [
+        m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"
+    ]
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_prompt_completion_is_a_user_assistant_chat_and_the_newline_after_eos_is_no_target(
+    tokenizer,
+):
+    messages = conversation_from_record({"prompt": "hi", "completion": "yo", "id": 7})
+    assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ids, targets = tokenize_conversation(messages, tokenizer)
+    assert (
+        tokenizer.decode(ids)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    )
+    assert ids[-2:] == [tokenizer.eos_token_id, tokenizer.encode("\n", add_special_tokens=False)[0]]
+    assert targets[-3:] == [True, True, False]  # "o", <|im_end|>, "\n"
+    assert sum(targets) == 3
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        (["prompt"], "expected a JSON object"),
+        ({"prompt": "a"}, "needs key 'completion'"),
+        ({"completion": "a"}, "needs key 'prompt'"),
+        ({"prompt": 1, "completion": "b"}, "'prompt' must be a string"),
+        ({"prompt": "a", "completion": None}, "'completion' must be a string"),
+        ({"text": "a"}, "expected keys 'prompt' and 'completion', or 'messages'"),
+        ({"messages": [], "prompt": "a"}, "not both"),
+        ({"messages": []}, "non-empty list"),
+        ({"messages": "hi"}, "non-empty list"),
+        ({"messages": ["hi"]}, "messages[0] must be an object"),
+        ({"messages": [{"role": "user"}]}, "messages[0] needs a string 'content'"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]},
+            "messages[1] needs a string 'role'",
+        ),
+        ({"messages": [{"role": "assistant", "content": "a"}]}, "must not be an assistant"),
+    ],
+)
+def test_bad_records_are_rejected_with_the_reason(record, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        conversation_from_record(record)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_rejected(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # Like reasoning templates that hide earlier answers: an answer renders differently once
+    # another turn follows it, so the rendering of a prefix is not a prefix of the rendering.
+    tokenizer.chat_template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ '<|im_start|>assistant\n…<|im_end|>\n' }}"
+        "{% else %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert tokenize_conversation(turns, tokenizer)[0]  # one answer: nothing is rewritten
+    with pytest.raises(ValueError, match="not prefix-stable"):
+        tokenize_conversation(turns + turns, tokenizer)
+
+
+def test_a_template_error_becomes_a_value_error(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="roles must alternate"):
+        tokenize_conversation(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenizer
+        )

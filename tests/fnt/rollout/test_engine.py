@@ -1,0 +1,241 @@
+"""The in-process engine on the tiny model: weight sync, rl_batches, metrics, exact resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fnt.batch import DataPosition, to_device
+from fnt.config import ConfigError, validate_rollout
+from fnt.data.load import DataError
+from fnt.rewards import similarity
+from fnt.rollout import (
+    Completion,
+    InProcessEngine,
+    Prompt,
+    RolloutSample,
+    load_prompts,
+    rl_batches,
+    rollout_metrics,
+    score,
+)
+from fnt.state import Progress
+from fnt.update import packed_logits
+
+from .conftest import rl_config, rl_state, scale_weights_
+
+METRICS = (
+    "reward/mean",
+    "reward/std",
+    "time/rollout",
+    "rollout/tokens_per_second",
+    "rollout/completion_len/mean",
+)
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids.to(next(model.parameters()).device)).logits
+
+
+def test_the_inference_copy_has_the_policys_logits_after_a_sync(policy_dir, prompts_file):
+    config = rl_config(policy_dir, prompts_file)
+    state = rl_state(config)
+    policy = state.handles.model
+    engine = InProcessEngine(config.model, state.handles.runtime.device)
+    assert not engine.model.training
+    scale_weights_(policy, 1.1)
+    ids = torch.arange(3, 40)[None]
+    assert not torch.allclose(logits_of(engine.model, ids), logits_of(policy, ids))
+    engine.sync_weights_(policy)
+    torch.testing.assert_close(
+        logits_of(engine.model, ids), logits_of(policy, ids), rtol=0, atol=1e-6
+    )
+    assert policy.training  # the sync leaves the live policy as it was
+
+
+def check_logprobs_match(batch, policy, temperature: float):
+    """The recorded logprobs equal a fresh forward of `policy` over the packed rows."""
+    for mb in batch.micro_batches:
+        mb = to_device(mb, next(policy.parameters()).device)
+        with torch.no_grad():
+            logits = packed_logits(policy, mb.rows).float()
+        logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+        fresh = logp.gather(-1, mb.rows.input_ids[:, 1:, None]).squeeze(-1)
+        mask = mb.rows.loss_mask[:, 1:]
+        torch.testing.assert_close(
+            mb.inference_logprobs[:, 1:][mask], fresh[mask], rtol=0, atol=1e-5
+        )
+
+
+def completions_with_answers(batch, prompts, tokenizer):
+    """(completion text, the prompt's record, advantage) of every packed document."""
+    records = {p.token_ids: p.record for p in prompts}
+    out = []
+    for mb in batch.micro_batches:
+        for r, lengths in enumerate(mb.sample_lengths):
+            t = 0
+            for length in lengths:
+                ids, mask = (
+                    mb.rows.input_ids[r, t : t + length],
+                    mb.rows.loss_mask[r, t : t + length],
+                )
+                prompt = tuple(ids[~mask].tolist())
+                out.append(
+                    (
+                        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True),
+                        records[prompt],
+                        float(mb.advantages[r, t]),
+                    )
+                )
+                t += length
+    return out
+
+
+def test_rl_batches_yield_scored_packed_rollouts_step_after_step(
+    policy_dir, prompts_file, tokenizer
+):
+    config = rl_config(policy_dir, prompts_file, temperature=0.8)
+    state = rl_state(config)
+    batches = rl_batches(state)
+    first = next(batches)
+    # The policy changes between steps; the next rollout must use the changed weights.
+    check_logprobs_match(first, state.handles.model, 0.8)
+    scale_weights_(state.handles.model, 1.05)
+    second = next(batches)
+    check_logprobs_match(second, state.handles.model, 0.8)
+
+    prompts = load_prompts(prompts_file, tokenizer)
+    for batch, after in ((first, DataPosition(0, 4)), (second, DataPosition(0, 8))):
+        batch.check()
+        assert batch.data_after == after
+        assert len(batch.micro_batches) == 4 and all(
+            mb.rows.input_ids.shape == (2, 128) for mb in batch.micro_batches
+        )
+        assert (
+            batch.num_samples
+            == 16
+            == sum(len(x) for mb in batch.micro_batches for x in mb.sample_lengths)
+        )
+        assert set(METRICS) <= set(batch.metrics) and all(
+            math.isfinite(v) for v in batch.metrics.values()
+        )
+        loss_tokens = sum(int(mb.rows.loss_mask.sum()) for mb in batch.micro_batches)
+        assert batch.metrics["rollout/completion_len/mean"] == loss_tokens / 16
+        assert batch.metrics["time/rollout"] > 0 and batch.metrics["rollout/tokens_per_second"] > 0
+        assert bool((torch.cat([mb.temperatures for mb in batch.micro_batches]) == 0.8).all())
+        # Rewards are scored on the completion text without special tokens; advantages per group.
+        docs = completions_with_answers(batch, prompts, tokenizer)
+        rewards = [similarity(text, record) for text, record, _ in docs]
+        assert all("<|im_end|>" not in text for text, _, _ in docs)
+        assert batch.metrics["reward/mean"] == pytest.approx(sum(rewards) / 16)
+        assert len({record["id"] for _, record, _ in docs}) == 4
+        for prompt_id in {record["id"] for _, record, _ in docs}:
+            group = [adv for _, record, adv in docs if record["id"] == prompt_id]
+            assert len(group) == 4 and abs(sum(group)) < 1e-4
+    assert (
+        first.micro_batches[0].rows.input_ids.tolist()
+        != second.micro_batches[0].rows.input_ids.tolist()
+    )
+
+
+def assert_same_batch(a, b):
+    assert a.data_after == b.data_after and a.num_samples == b.num_samples
+    for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
+        assert x.sample_lengths == y.sample_lengths
+        for name in ("input_ids", "position_ids", "document_ids", "loss_mask"):
+            assert torch.equal(getattr(x.rows, name), getattr(y.rows, name)), name
+        for name in ("advantages", "temperatures", "inference_logprobs"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+    timeless = [k for k in a.metrics if k not in ("time/rollout", "rollout/tokens_per_second")]
+    assert {k: a.metrics[k] for k in timeless} == {k: b.metrics[k] for k in timeless}
+
+
+def test_resuming_the_stream_at_step_1_gives_the_second_batch_again(policy_dir, prompts_file):
+    # prompts_per_step 8 of 11 prompts: the second step wraps into epoch 1.
+    config = rl_config(policy_dir, prompts_file, prompts_per_step=8, group_size=2)
+    state = rl_state(config)
+    straight = rl_batches(state)
+    first, second = next(straight), next(straight)
+    assert second.data_after == DataPosition(1, 5)
+    resumed_state = dataclasses.replace(state, progress=Progress(step=1, data=first.data_after))
+    assert_same_batch(next(rl_batches(resumed_state)), second)
+    # The sampling seed depends on the step: the same prompts at another step sample differently.
+    other_step = dataclasses.replace(state, progress=Progress(step=7, data=DataPosition()))
+    again = next(rl_batches(other_step))
+    assert (
+        again.micro_batches[0].rows.input_ids.tolist()
+        != first.micro_batches[0].rows.input_ids.tolist()
+    )
+
+
+@pytest.mark.parametrize(
+    ("rollout", "dp", "message"),
+    [
+        (
+            {"prompts_per_step": 6},
+            4,
+            r"'rollout.prompts_per_step' = 6: must be divisible by the data-parallel size \(4\)",
+        ),
+        ({"temperature": 0.0}, 1, "'rollout.temperature' = 0.0: must be a finite number > 0"),
+        ({"reward": ""}, 1, "'rollout.reward'"),
+        ({"prompts": ""}, 1, "'rollout.prompts'"),
+        ({"group_size": 0}, 1, "'rollout.group_size'"),
+    ],
+)
+def test_bad_rollout_settings_name_the_key(tmp_path, rollout, dp, message):
+    settings = dataclasses.replace(rl_config(tmp_path, tmp_path / "p.jsonl").rollout, **rollout)
+    with pytest.raises(ConfigError, match=message):
+        validate_rollout(settings, dp_size=dp)
+
+
+def test_setup_errors_surface_when_rl_batches_is_called(policy_dir, prompts_file):
+    state = rl_state(dataclasses.replace(rl_config(policy_dir, prompts_file), seq_len=24))
+    with pytest.raises(
+        DataError,
+        match=r"prompts.jsonl, line 1: the prompt has \d+ tokens.*raise seq_len or lower rollout",
+    ):
+        rl_batches(state)
+    state = rl_state(rl_config(policy_dir, prompts_file, reward="nope"))
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        rl_batches(state)
+    state = rl_state(rl_config(policy_dir, prompts_file, engine="external"))
+    with pytest.raises(ConfigError, match="'rollout.engine' = 'external'"):
+        rl_batches(state)
+
+
+def test_reward_results_and_failures_are_checked_and_name_the_prompt():
+    prompt = Prompt(record={"prompt": "a"}, token_ids=(1, 2), line=7)
+    assert score(["a", "b"], prompt, lambda text, sample: text == "a", "is_a") == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward 'bad' returned nan for 'a' on .* line 7"):
+        score(["a"], prompt, lambda text, sample: float("nan"), "bad")
+    with pytest.raises(ValueError, match=r"reward 'bad' returned '1'"):
+        score(["a"], prompt, lambda text, sample: "1", "bad")
+    with pytest.raises(ValueError, match=r"'similarity' failed on the prompt of line 7.*'answer'"):
+        score(["a"], prompt, similarity, "similarity")
+
+
+def test_rollout_metrics_of_one_process():
+    def sample(reward, length, stopped):
+        return RolloutSample(
+            (1,), Completion((2,) * length, (-1.0,) * length, stopped), reward, 0.0
+        )
+
+    samples = [
+        sample(0.0, 4, True),
+        sample(1.0, 8, False),
+        sample(1.0, 2, True),
+        sample(0.0, 6, True),
+    ]
+    metrics = rollout_metrics(samples, 2.0, distributed=False, device=torch.device("cpu"))
+    assert metrics == {
+        "reward/mean": 0.5,
+        "reward/std": 0.5,
+        "time/rollout": 2.0,
+        "rollout/tokens_per_second": 10.0,
+        "rollout/completion_len/mean": 5.0,
+        "rollout/truncated_fraction": 0.25,
+    }

@@ -1,0 +1,64 @@
+"""The reward registry: built-in rewards, "module:function" names, and the errors for bad names."""
+
+from __future__ import annotations
+
+import pytest
+
+from fnt.rewards import REWARDS, exact_match, reward_function, similarity
+
+
+def length_reward(completion: str, sample: dict) -> float:
+    """A reward defined outside fnt, resolved by its "module:function" name."""
+    return float(len(completion) + sample["bonus"])
+
+
+REWARDS_NOT_CALLABLE = 3
+
+
+def test_similarity_is_the_difflib_ratio_with_the_answer():
+    assert similarity("abc", {"answer": "abc"}) == 1.0
+    assert similarity("xyz", {"answer": "abc"}) == 0.0
+    assert similarity("abcd", {"answer": "abce"}) == pytest.approx(0.75)
+
+
+def test_exact_match_ignores_surrounding_whitespace_only():
+    assert exact_match(" 42\n", {"answer": 42}) == 1.0
+    assert exact_match("4 2", {"answer": "42"}) == 0.0
+
+
+def test_a_reward_without_an_answer_field_names_the_fields_it_got():
+    with pytest.raises(ValueError, match=r"'answer'.*\['prompt'\]"):
+        similarity("abc", {"prompt": "cba"})
+
+
+def test_registered_names_resolve_to_their_functions():
+    assert set(REWARDS) >= {"similarity", "exact_match"}
+    assert reward_function("similarity") is similarity
+    assert reward_function("exact_match") is exact_match
+
+
+def test_module_function_names_are_imported():
+    fn = reward_function(f"{__name__}:length_reward")
+    assert fn is length_reward
+    assert fn("abc", {"bonus": 1}) == 4.0
+
+
+def test_an_unknown_name_lists_the_registered_rewards_and_suggests_one():
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'similarty' \(did you mean 'similarity'\?\)"
+    ) as e:
+        reward_function("similarty")
+    assert "exact_match, similarity" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        (f"{__name__}:missing", "has no attribute 'missing'"),
+        (f"{__name__}:REWARDS_NOT_CALLABLE", "is not callable"),
+    ],
+)
+def test_bad_module_function_names_say_what_is_wrong(name, message):
+    with pytest.raises(ValueError, match=message):
+        reward_function(name)
