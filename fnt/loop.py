@@ -86,12 +86,15 @@ def run(
     make_batches: Callable[[TrainState], Iterable[Any]],
     *,
     extra: Optional[Callable[[Config, Runtime], dict]] = None,
+    after_step: Optional[Callable[[TrainState], Any]] = None,
     console: bool = True,
 ) -> TrainState:
     """Train from the configured start (fresh or resumed) to `config.max_steps`.
 
     `make_batches(state)` must yield the batches for steps state.progress.step + 1, + 2, ...
     `extra(config, runtime)` may add step-specific handles (e.g. a rollout engine).
+    `after_step(state)` runs on every rank after each update, before the checkpoint (e.g. to
+    publish weights to an external rollout engine); its time is logged as time/after_step.
     """
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     runtime = setup_trainer(config)
@@ -115,6 +118,11 @@ def run(
         for state, metrics in fold(state, batches, step_fn):
             step = state.progress.step
             step_seconds = time.perf_counter() - step_started
+            timing = {"time/step": step_seconds}
+            if after_step is not None:
+                hook_started = time.perf_counter()
+                after_step(state)
+                timing["time/after_step"] = time.perf_counter() - hook_started
             save_seconds = 0.0
             if should_checkpoint(step, config.ckpt.interval, config.max_steps, config.ckpt.save_final):
                 save_started = time.perf_counter()
@@ -135,7 +143,7 @@ def run(
                     tokens, step_seconds, runtime.world_size, fpt, peak_flops,
                     peak_memory_gib(runtime.device),
                 ),
-                timing={"time/step": step_seconds, "time/save_ckpt": save_seconds},
+                timing={**timing, "time/save_ckpt": save_seconds},
                 disk=disk_metrics(ckpt_root(config)),
                 monitor=monitors,
                 is_main=runtime.is_main,

@@ -17,10 +17,14 @@ def main(argv: list[str]) -> None:
     config = config_from_argv(argv, RLConfig)
     from fnt.loop import run
     from fnt.rollout import rl_batches
+    from fnt.rollout.external import external_batches, publish_weights_
     from steps.rl import rl_step
 
     try:
-        run(config, rl_step, rl_batches)
+        if config.rollout.engine == "external":
+            run(config, rl_step, external_batches, after_step=publish_weights_)
+        else:
+            run(config, rl_step, rl_batches)
     except ConfigError as exc:
         exit_on_config_error(exc)
 

@@ -1,0 +1,224 @@
+"""The external rollout protocol: batches from an orchestrator, weights published back.
+Side effects: reads {output_dir}/rollouts/, writes {output_dir}/weights/, collectives.
+
+The file format is documented in docs/external_rollouts.md. In short: for step N the trainer
+waits for `rollouts/step_N/COMPLETE`, reads `rollouts/step_N/samples.jsonl` (every rank reads
+the whole file and takes its contiguous share), trains, then publishes the policy as a Hugging
+Face directory `weights/step_N/`, marked complete by a `COMPLETE` file written after everything
+else and the rename from `step_N.partial`. The starting policy is published as
+`weights/step_{start}/` before the first wait, so the orchestrator always has weights to load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from fnt.batch import DataPosition, RLBatch
+from fnt.data import DataError, check_batch_layout
+from fnt.checkpoint import cleanup_checkpoints_
+from fnt.resume import COMPLETE_MARKER
+from fnt.rollout.generate import Completion
+from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.state import TrainState
+
+ROLLOUTS_DIR = "rollouts"
+WEIGHTS_DIR = "weights"
+SAMPLES_FILE = "samples.jsonl"
+POLL_SECONDS = 0.05
+
+
+class RolloutTimeout(TimeoutError):
+    """The orchestrator did not deliver a step's rollouts in time."""
+
+
+def rollout_dir(output_dir: str, step: int) -> Path:
+    return Path(output_dir) / ROLLOUTS_DIR / f"step_{step}"
+
+
+def weights_dir(output_dir: str, step: int) -> Path:
+    return Path(output_dir) / WEIGHTS_DIR / f"step_{step}"
+
+
+def wait_for_rollouts(path: Path, timeout_s: float) -> float:
+    """Block until `path/COMPLETE` exists; returns the seconds waited, RolloutTimeout after timeout_s."""
+    started = time.perf_counter()
+    while not (path / COMPLETE_MARKER).is_file():
+        waited = time.perf_counter() - started
+        if waited > timeout_s:
+            raise RolloutTimeout(
+                f"no rollouts after {timeout_s:.0f} s: waited for {path / COMPLETE_MARKER} "
+                f"(the orchestrator writes {path / SAMPLES_FILE}, then {COMPLETE_MARKER}); "
+                "raise rollout.timeout_s or check the orchestrator"
+            )
+        time.sleep(POLL_SECONDS)
+    return time.perf_counter() - started
+
+
+def _int_list(value: Any, key: str, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise DataError(f"{where}: '{key}' must be a list of token ids (integers)")
+    return value
+
+
+def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
+    """One samples.jsonl line -> (sample, temperature, has inference logprobs). Pure."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object")
+    for key in ("prompt_ids", "completion_ids", "advantage"):
+        if key not in record:
+            raise DataError(f"{where}: missing '{key}'")
+    prompt_ids = _int_list(record["prompt_ids"], "prompt_ids", where)
+    completion_ids = _int_list(record["completion_ids"], "completion_ids", where)
+    if not prompt_ids or not completion_ids:
+        raise DataError(f"{where}: 'prompt_ids' and 'completion_ids' must not be empty")
+    numbers = {}
+    for key, default in (("advantage", None), ("reward", 0.0), ("temperature", 1.0)):
+        value = record.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DataError(f"{where}: '{key}' must be a finite number")
+        numbers[key] = float(value)
+    if numbers["temperature"] <= 0:
+        raise DataError(f"{where}: 'temperature' must be > 0")
+    logprobs = record.get("inference_logprobs")
+    if logprobs is not None:
+        if not isinstance(logprobs, list) or len(logprobs) != len(completion_ids):
+            raise DataError(f"{where}: 'inference_logprobs' needs one value per completion token")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
+            raise DataError(f"{where}: 'inference_logprobs' must be numbers")
+    completion = Completion(
+        token_ids=tuple(completion_ids),
+        logprobs=tuple(float(v) for v in logprobs) if logprobs is not None else (0.0,) * len(completion_ids),
+        stopped=True,
+    )
+    sample = RolloutSample(
+        prompt_ids=tuple(prompt_ids), completion=completion,
+        reward=numbers["reward"], advantage=numbers["advantage"],
+    )
+    return sample, numbers["temperature"], logprobs is not None
+
+
+def read_rollouts(path: Path) -> tuple[list[RolloutSample], float, bool]:
+    """All samples of a step, their common temperature and whether they carry logprobs."""
+    file = path / SAMPLES_FILE
+    if not file.is_file():
+        raise DataError(f"{file}: missing, although {path / COMPLETE_MARKER} exists")
+    samples, temperatures, with_logprobs = [], set(), set()
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        sample, temperature, has_logprobs = parse_sample(line, f"{file}, line {number}")
+        samples.append(sample)
+        temperatures.add(temperature)
+        with_logprobs.add(has_logprobs)
+    if not samples:
+        raise DataError(f"{file}: no samples")
+    if len(temperatures) > 1:
+        raise DataError(f"{file}: all samples of a step must share one temperature, got {sorted(temperatures)}")
+    if len(with_logprobs) > 1:
+        raise DataError(f"{file}: either every sample has 'inference_logprobs' or none has")
+    return samples, temperatures.pop(), with_logprobs.pop()
+
+
+def rank_samples(samples: list[RolloutSample], dp_rank: int, dp_size: int, where: Path) -> list[RolloutSample]:
+    """The contiguous share of rank dp_rank; the count must divide evenly. Pure."""
+    if len(samples) % dp_size:
+        raise DataError(
+            f"{where}: {len(samples)} samples do not split evenly over {dp_size} data-parallel ranks"
+        )
+    per_rank = len(samples) // dp_size
+    return samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+
+
+def external_metrics(samples: list[RolloutSample], waited: float) -> dict[str, float]:
+    """reward/mean, reward/std, time/rollout, rollout/completion_len/mean over the whole step. Pure."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(unbiased=False)),
+        "time/rollout": waited,
+        "rollout/completion_len/mean": float(lengths.mean()),
+    }
+
+
+def external_batches(state: TrainState) -> Iterator[RLBatch]:
+    """This rank's RL batches for steps progress.step + 1, ... read from the orchestrator's files.
+
+    Publishes the starting policy first, so an orchestrator can always load weights/step_{N-1}
+    before writing rollouts/step_N.
+    """
+    from transformers import AutoTokenizer
+
+    config, runtime = state.config, state.handles.runtime
+    dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+    check_batch_layout(config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    publish_weights_(state)
+
+    def batches() -> Iterator[RLBatch]:
+        step, cursor = state.progress.step, state.progress.data.cursor
+        while True:
+            step += 1
+            path = rollout_dir(config.output_dir, step)
+            started = time.perf_counter()
+            wait_for_rollouts(path, config.rollout.timeout_s)
+            samples, temperature, has_logprobs = read_rollouts(path)
+            mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
+            micro_batches = pack_rollouts(
+                mine, num_rows=config.batch_size // dp_size, seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size, temperature=temperature,
+                pad_token_id=pad_token_id,
+            )
+            if not has_logprobs:
+                micro_batches = tuple(dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches)
+            cursor += len(samples)
+            yield RLBatch(
+                micro_batches=micro_batches,
+                num_samples=len(mine),
+                data_after=DataPosition(epoch=0, cursor=cursor),
+                metrics=external_metrics(samples, time.perf_counter() - started),
+            )
+
+    return batches()
+
+
+def publish_weights_(state: TrainState) -> Optional[Path]:
+    """Write the current policy to weights/step_{progress.step}/ as a transaction; keep the newest.
+
+    Every rank takes part in gathering the full state dict (a collective under FSDP2); rank 0
+    writes `step_N.partial/`, then `COMPLETE`, renames it to `step_N` and prunes older complete
+    directories beyond rollout.keep_weights. Returns the directory on rank 0, None elsewhere.
+    """
+    config, runtime, model = state.config, state.handles.runtime, state.handles.model
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not runtime.is_main:
+        return None
+    from transformers import AutoTokenizer
+
+    final = weights_dir(config.output_dir, state.progress.step)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model.save_pretrained(partial, state_dict=full, safe_serialization=True)
+    AutoTokenizer.from_pretrained(config.model.name).save_pretrained(partial)
+    (partial / COMPLETE_MARKER).write_text(f"step {state.progress.step}\n")
+    if final.exists():  # a resumed run republishes the step it resumed from
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    cleanup_checkpoints_(final.parent, config.rollout.keep_weights)
+    return final
