@@ -37,8 +37,19 @@ def exact_match(completion: str, sample: Mapping[str, Any]) -> float:
     return float(completion.strip() == _answer(sample).strip())
 
 
+def ascii_letters(completion: str, sample: Mapping[str, Any]) -> float:
+    """The share of the completion's characters that are ASCII letters (0 when it is empty).
+
+    Needs no answer, and even a randomly initialised model scores a spread of values, so it is
+    the debugging reward: the advantages are non-zero from the first step.
+    """
+    if not completion:
+        return 0.0
+    return sum(ch.isascii() and ch.isalpha() for ch in completion) / len(completion)
+
+
 REWARDS: Mapping[str, RewardFn] = MappingProxyType(
-    {"exact_match": exact_match, "similarity": similarity}
+    {"ascii_letters": ascii_letters, "exact_match": exact_match, "similarity": similarity}
 )
 """The registered rewards, by the name `rollout.reward` uses."""
 

@@ -62,3 +62,9 @@ def test_an_unknown_name_lists_the_registered_rewards_and_suggests_one():
 def test_bad_module_function_names_say_what_is_wrong(name, message):
     with pytest.raises(ValueError, match=message):
         reward_function(name)
+
+
+def test_ascii_letters_is_the_share_of_letters():
+    assert REWARDS["ascii_letters"]("ab1 ", {}) == 0.5
+    assert REWARDS["ascii_letters"]("", {}) == 0.0
+    assert REWARDS["ascii_letters"]("é", {}) == 0.0
