@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from fnt.checkpoint import cleanup_checkpoints_, load_checkpoint_, save_checkpoint, should_checkpoint
-from fnt.config import Config, to_json
+from fnt.config import Config, ConfigError, to_json
 from fnt.metrics import (
     disk_metrics,
     flops_per_token,
@@ -28,7 +28,7 @@ from fnt.model import load_model
 from fnt.monitors import open_monitors
 from fnt.optim import setup_optimizer
 from fnt.profiler import save_trace, start_trace
-from fnt.resume import checkpoint_dir, resolve_resume_step
+from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints, resolve_resume_step
 from fnt.setup import Runtime, setup_trainer, teardown_trainer
 from fnt.state import Handles, Progress, StepCursor, TrainState
 
@@ -62,6 +62,8 @@ def build_state(config: Config, runtime: Runtime, extra: Optional[dict] = None) 
     model, facts = load_model(config.model, runtime)
     optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
     resume_step = resolve_resume_step(config.resume, ckpt_root(config))
+    if resume_step is None:
+        refuse_stale_checkpoints(ckpt_root(config))
     progress = Progress()
     if resume_step is not None:
         progress = load_checkpoint_(
@@ -70,6 +72,16 @@ def build_state(config: Config, runtime: Runtime, extra: Optional[dict] = None) 
         )
     handles = Handles(model, optimizer, runtime, StepCursor(progress.step), extra)
     return TrainState(config, progress, handles), facts
+
+
+def refuse_stale_checkpoints(root: Path) -> None:
+    """A fresh start must not mix with an earlier run's checkpoints in the same directory."""
+    steps = complete_steps(list_checkpoints(root))
+    if steps:
+        raise ConfigError(
+            f"{root} already holds checkpoints of an earlier run (steps {', '.join(map(str, steps))}): "
+            "pass --resume latest to continue it, or choose a new output_dir"
+        )
 
 
 class _Terminated(Exception):

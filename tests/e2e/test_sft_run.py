@@ -70,3 +70,11 @@ def test_two_ranks_match_one_rank_and_only_rank0_writes(one_rank_run, two_rank_r
     assert proc.stdout.count("step 3/5") == 1  # the console line comes from rank 0 only
     assert_chrome_trace(out2 / "trace" / "trace_0.json.gz")
     assert_chrome_trace(out2 / "trace" / "trace_1.json.gz")
+
+
+def test_a_fresh_start_refuses_an_earlier_runs_checkpoints(one_rank_run, tiny_model_dir):
+    out, _ = one_rank_run
+    proc = run_script("sft.py", *sft_args(tiny_model_dir, out, "--max-steps", "5"), check=False)
+    assert proc.returncode == 2
+    assert "already holds checkpoints of an earlier run (steps 5)" in proc.stderr
+    assert "--resume latest" in proc.stderr
