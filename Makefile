@@ -17,10 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The reverse-text demo: tiny model, SFT, RL, with held-out evals; its last line is JSON.
 demo: setup
-	$(PY) scripts/make_tiny_model.py --out $(RUNS)/tiny-model
-	$(PY) scripts/sft.py --config examples/debug/sft.toml --output-dir $(RUNS)/debug-sft \
-		--model.name $(RUNS)/tiny-model
+	$(PY) examples/reverse_text/demo.py --runs $(RUNS)
 
 test: setup
 	$(PY) -m pytest -q
