@@ -31,7 +31,9 @@ class PackedRows:
 
     input_ids: Tensor  # [B, T] int64
     position_ids: Tensor  # [B, T] int64, restarts at 0 at each document start
-    document_ids: Tensor  # [B, T] int64, equal within a document, different across documents of a row
+    document_ids: (
+        Tensor  # [B, T] int64, equal within a document, different across documents of a row
+    )
     loss_mask: Tensor  # [B, T] bool, True where token t is a training target predicted from t-1
 
     def check(self) -> None:
@@ -117,10 +119,14 @@ class RLMicroBatch:
         if bool((self.temperatures[self.rows.loss_mask] <= 0).any()):
             raise ValueError("temperatures must be > 0 on loss tokens")
         if len(self.sample_lengths) != shape[0]:
-            raise ValueError(f"sample_lengths has {len(self.sample_lengths)} rows, expected {shape[0]}")
+            raise ValueError(
+                f"sample_lengths has {len(self.sample_lengths)} rows, expected {shape[0]}"
+            )
         for row, lengths in enumerate(self.sample_lengths):
             if sum(lengths) > shape[1]:
-                raise ValueError(f"row {row}: sample lengths {lengths} exceed the row length {shape[1]}")
+                raise ValueError(
+                    f"row {row}: sample lengths {lengths} exceed the row length {shape[1]}"
+                )
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    ckpt_root: Path, progress: Progress, model: Any, optimizer: Any, *,
-    model_name: str, rank: int, distributed: bool,
+    ckpt_root: Path,
+    progress: Progress,
+    model: Any,
+    optimizer: Any,
+    *,
+    model_name: str,
+    rank: int,
+    distributed: bool,
 ) -> Path:
     """Write step_{progress.step} as a transaction (see the module docstring)."""
     final = checkpoint_dir(ckpt_root, progress.step)
@@ -90,8 +96,14 @@ def save_checkpoint(
     _barrier(distributed)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial), no_dist=not distributed)
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to save in a single process"
+        )
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=str(partial),
+            no_dist=not distributed,
+        )
     _barrier(distributed)
     if rank == 0:
         _fault_point(progress.step, "shards")
@@ -113,9 +125,13 @@ def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: boo
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to load in a single process"
+        )
         dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     return read_progress(path)
 
 
@@ -140,5 +156,3 @@ def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:
         (path / COMPLETE_MARKER).unlink()
         shutil.rmtree(path)
     return doomed
-
-

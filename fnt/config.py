@@ -71,7 +71,7 @@ class OptimConfig:
     impl: Literal["torch", "native", "reference"] = "torch"
     """AdamW implementation: torch's, fnt's native CPU kernel, or its pure-torch reference."""
     offload: Literal["none", "state", "full"] = "none"
-    """Where optimizer state lives: with the parameters, on CPU, or full offload (CPU master weights)."""
+    """Optimizer state with the parameters, on CPU ("state"), or full offload with CPU masters."""
     keep_fp32: tuple[str, ...] = ()
     """Parameter name substrings kept in float32 on the accelerator under full offload."""
 
@@ -383,8 +383,14 @@ def _suggest(key: str, known: list[str]) -> str:
     if not close:
         # A wrong last part under a right section ("optim.lrr") is the common typo.
         leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in known if k.rsplit(".", 1)[-1] in difflib.get_close_matches(
-            leaf, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.6)][:1]
+        close = [
+            k
+            for k in known
+            if k.rsplit(".", 1)[-1]
+            in difflib.get_close_matches(
+                leaf, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.6
+            )
+        ][:1]
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -407,7 +413,11 @@ def _build(cls: type, values: dict, sources: dict[str, str], prefix: str = "") -
     for key, raw in values.items():
         if key not in names:
             # Name the leaf the user wrote ("modl.name"), not just the unknown section.
-            full = prefix + key + (("." + next(iter(flatten(raw)))) if isinstance(raw, dict) and raw else "")
+            full = (
+                prefix
+                + key
+                + (("." + next(iter(flatten(raw)))) if isinstance(raw, dict) and raw else "")
+            )
             raise ConfigError(
                 f"unknown key '{full}' ({sources.get(full, 'config')}){_suggest(full, known)}"
             )
@@ -492,7 +502,9 @@ def split_cli(argv: list[str], cls: type = Config) -> CliArgs:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}' (command line); options look like --key=value")
+            raise ConfigError(
+                f"unexpected argument '{arg}' (command line); options look like --key=value"
+            )
         body = arg[2:]
         key, has_value, value = body.partition("=")
         key = _normalize_key(key)
@@ -586,14 +598,20 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         'must be a step number >= 0, "latest", true/false or none',
     )
     if config.data.kind == "jsonl":
-        require(bool(config.data.sources), "data.sources", 'data.kind = "jsonl" needs at least one source')
+        require(
+            bool(config.data.sources),
+            "data.sources",
+            'data.kind = "jsonl" needs at least one source',
+        )
         for i, source in enumerate(config.data.sources):
             if not source.path:
                 raise ConfigError(f"'data.sources[{i}].path' is empty: name a JSONL file")
             if source.weight <= 0:
                 raise ConfigError(f"'data.sources[{i}].weight' = {source.weight}: must be > 0")
         names = [source_name(s) for s in config.data.sources]
-        require(len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}")
+        require(
+            len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}"
+        )
     dp = data_parallel_size(config.parallel, world_size)
     rows_per_pass = config.micro_batch_size * dp
     require(

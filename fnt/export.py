@@ -26,12 +26,16 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
+        raise FileNotFoundError(
+            f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE_MARKER} file)"
+        )
     base = read_meta(ckpt_dir)["model_name"]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to load in a single process"
+        )
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
     model.load_state_dict(state["model"])
     return model

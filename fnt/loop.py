@@ -13,7 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from fnt.checkpoint import cleanup_checkpoints_, load_checkpoint_, save_checkpoint, should_checkpoint
+from fnt.checkpoint import (
+    cleanup_checkpoints_,
+    load_checkpoint_,
+    save_checkpoint,
+    should_checkpoint,
+)
 from fnt.config import Config, ConfigError, to_json
 from fnt.metrics import (
     disk_metrics,
@@ -37,7 +42,9 @@ StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
 CONFIG_FILE = "config.json"
 
 
-def fold(state: TrainState, batches: Iterable[Any], step_fn: StepFn) -> Iterator[tuple[TrainState, Metrics]]:
+def fold(
+    state: TrainState, batches: Iterable[Any], step_fn: StepFn
+) -> Iterator[tuple[TrainState, Metrics]]:
     """Thread `state` through `step_fn` for each batch, yielding every successor and its metrics."""
     for batch in batches:
         state, metrics = step_fn(state, batch)
@@ -57,7 +64,9 @@ def ckpt_root(config: Config) -> Path:
     return Path(config.output_dir) / "checkpoints"
 
 
-def build_state(config: Config, runtime: Runtime, extra: Optional[dict] = None) -> tuple[TrainState, Any]:
+def build_state(
+    config: Config, runtime: Runtime, extra: Optional[dict] = None
+) -> tuple[TrainState, Any]:
     """Model, optimizer and Progress, restored from a checkpoint when `config.resume` says so."""
     model, facts = load_model(config.model, runtime)
     optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
@@ -67,7 +76,9 @@ def build_state(config: Config, runtime: Runtime, extra: Optional[dict] = None) 
     progress = Progress()
     if resume_step is not None:
         progress = load_checkpoint_(
-            checkpoint_dir(ckpt_root(config), resume_step), model, optimizer,
+            checkpoint_dir(ckpt_root(config), resume_step),
+            model,
+            optimizer,
             distributed=runtime.distributed,
         )
     handles = Handles(model, optimizer, runtime, StepCursor(progress.step), extra)
@@ -79,7 +90,8 @@ def refuse_stale_checkpoints(root: Path) -> None:
     steps = complete_steps(list_checkpoints(root))
     if steps:
         raise ConfigError(
-            f"{root} already holds checkpoints of an earlier run (steps {', '.join(map(str, steps))}): "
+            f"{root} already holds checkpoints of an earlier run "
+            f"(steps {', '.join(map(str, steps))}): "
             "pass --resume latest to continue it, or choose a new output_dir"
         )
 
@@ -136,11 +148,18 @@ def run(
                 after_step(state)
                 timing["time/after_step"] = time.perf_counter() - hook_started
             save_seconds = 0.0
-            if should_checkpoint(step, config.ckpt.interval, config.max_steps, config.ckpt.save_final):
+            if should_checkpoint(
+                step, config.ckpt.interval, config.max_steps, config.ckpt.save_final
+            ):
                 save_started = time.perf_counter()
                 save_checkpoint(
-                    ckpt_root(config), state.progress, state.handles.model, state.handles.optimizer,
-                    model_name=config.model.name, rank=runtime.rank, distributed=runtime.distributed,
+                    ckpt_root(config),
+                    state.progress,
+                    state.handles.model,
+                    state.handles.optimizer,
+                    model_name=config.model.name,
+                    rank=runtime.rank,
+                    distributed=runtime.distributed,
                 )
                 if runtime.is_main:
                     cleanup_checkpoints_(ckpt_root(config), config.ckpt.keep_last)
@@ -152,7 +171,11 @@ def run(
                 {**to_floats(metrics), **progress_metrics(state.progress)},
                 time=time.time(),
                 perf=perf_metrics(
-                    tokens, step_seconds, runtime.world_size, fpt, peak_flops,
+                    tokens,
+                    step_seconds,
+                    runtime.world_size,
+                    fpt,
+                    peak_flops,
                     peak_memory_gib(runtime.device),
                 ),
                 timing={**timing, "time/save_ckpt": save_seconds},

@@ -36,8 +36,12 @@ def step_row(step: int, time: float, *groups: Mapping[str, float]) -> dict[str, 
 
 
 def perf_metrics(
-    tokens: int, step_seconds: float, world_size: int, flops_per_token: float,
-    peak_flops_per_device: float, peak_memory_gib: float,
+    tokens: int,
+    step_seconds: float,
+    world_size: int,
+    flops_per_token: float,
+    peak_flops_per_device: float,
+    peak_memory_gib: float,
 ) -> dict[str, float]:
     """perf/* for one step: global and per-rank tokens per second, MFU, peak memory. Pure."""
     throughput = tokens / step_seconds if step_seconds > 0 else 0.0

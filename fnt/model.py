@@ -53,9 +53,13 @@ def load_model(model_config: ModelConfig, runtime: Runtime) -> tuple[nn.Module, 
     if model_config.ac:
         # transformers 5 renamed gradient_checkpointing_enable; accept both generations.
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     model.config.use_cache = False
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime))

@@ -32,7 +32,9 @@ def router_stats(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
         probs = torch.softmax(logits.detach().float(), dim=-1)  # [tokens, E]
         top_probs, top_experts = probs.topk(top_k, dim=-1)
         loads = torch.bincount(top_experts.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
-        extra = torch.stack([top_probs.sum(), torch.tensor(float(top_probs.numel()), device=probs.device)])
+        extra = torch.stack(
+            [top_probs.sum(), torch.tensor(float(top_probs.numel()), device=probs.device)]
+        )
         rows.append(torch.cat([loads, extra]))
     return torch.stack(rows)
 
@@ -51,7 +53,11 @@ def routers(model: nn.Module) -> list[nn.Module]:
     found = []
     for module in model.modules():
         mlp = getattr(module, "mlp", None)
-        if mlp is not None and hasattr(mlp, "experts") and isinstance(getattr(mlp, "gate", None), nn.Module):
+        if (
+            mlp is not None
+            and hasattr(mlp, "experts")
+            and isinstance(getattr(mlp, "gate", None), nn.Module)
+        ):
             found.append(mlp.gate)
     return found
 

@@ -98,7 +98,9 @@ class WandbMonitor:
             values = {k: v for k, v in row.items() if k != "step"}
             self.run.log(values, step=row["step"])
         except Exception as exc:  # noqa: BLE001 - W&B must never stop training
-            warnings.warn(f"W&B log failed at step {row['step']}, disabling W&B: {exc}", stacklevel=2)
+            warnings.warn(
+                f"W&B log failed at step {row['step']}, disabling W&B: {exc}", stacklevel=2
+            )
             self.run = None
 
     def close(self) -> None:
@@ -192,5 +194,3 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
     """The rows of a run's metrics.jsonl (for tests, evals and users' notebooks)."""
     path = Path(output_dir) / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-

@@ -26,7 +26,9 @@ def start_trace(trace_path: Optional[str]) -> Optional[profile]:
     return prof
 
 
-def save_trace(prof: Optional[profile], trace_path: Optional[str], rank: Optional[int] = None) -> Optional[Path]:
+def save_trace(
+    prof: Optional[profile], trace_path: Optional[str], rank: Optional[int] = None
+) -> Optional[Path]:
     """Stop the profiler and write `trace_path/trace_{rank}.json.gz` (a gzipped Chrome trace)."""
     if prof is None or not trace_path:
         return None

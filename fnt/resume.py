@@ -54,7 +54,8 @@ def choose_resume_step(resume: Union[int, bool, str, None], steps: list[int]) ->
             return resume
         found = ", ".join(str(s) for s in steps) if steps else "none"
         raise ResumeError(
-            f"resume = {resume}: no complete checkpoint step_{resume}; complete steps found: {found}"
+            f"resume = {resume}: no complete checkpoint step_{resume}; "
+            f"complete steps found: {found}"
         )
     raise ResumeError(f'resume = {resume!r}: expected none, "latest", true/false or a step number')
 
@@ -70,6 +71,8 @@ def list_checkpoints(ckpt_root: Union[str, Path]) -> list[tuple[str, bool]]:
     ]
 
 
-def resolve_resume_step(resume: Union[int, bool, str, None], ckpt_dir: Union[str, Path]) -> Optional[int]:
+def resolve_resume_step(
+    resume: Union[int, bool, str, None], ckpt_dir: Union[str, Path]
+) -> Optional[int]:
     """The step to resume from given the `resume` setting and the checkpoint directory."""
     return choose_resume_step(resume, complete_steps(list_checkpoints(ckpt_dir)))

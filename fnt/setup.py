@@ -48,7 +48,8 @@ def plan_parallel_dims(parallel: ParallelConfig, world_size: int, ep: int) -> Pa
         rest = parallel.dp_replicate * parallel.cp * parallel.tp
         if world_size % rest:
             raise ConfigError(
-                f"world size {world_size} is not divisible by parallel.dp_replicate x cp x tp = {rest}"
+                f"world size {world_size} is not divisible by "
+                f"parallel.dp_replicate x cp x tp = {rest}"
             )
         dp_shard = world_size // rest
     elif dp_shard < 1:

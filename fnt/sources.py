@@ -25,7 +25,9 @@ def sft_batches(state: TrainState) -> Iterator[SftBatch]:
         dp_size=runtime.dims.dp,
     )
     if config.data.kind == "synthetic":
-        return synthetic_batches(start_step=state.progress.step, start=state.progress.data, **common)
+        return synthetic_batches(
+            start_step=state.progress.step, start=state.progress.data, **common
+        )
     from transformers import AutoTokenizer
 
     from fnt.data import sft_batches as jsonl_batches

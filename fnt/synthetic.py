@@ -16,7 +16,9 @@ from fnt.batch import DataPosition, PackedRows, SftBatch
 _VOCAB = 256
 
 
-def synthetic_rows(seed: int, step: int, num_rows: int, seq_len: int) -> tuple[PackedRows, list[int]]:
+def synthetic_rows(
+    seed: int, step: int, num_rows: int, seq_len: int
+) -> tuple[PackedRows, list[int]]:
     """All rows of one step, and the number of documents in each row. Pure."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     input_ids = torch.empty(num_rows, seq_len, dtype=torch.int64)
@@ -40,12 +42,24 @@ def synthetic_rows(seed: int, step: int, num_rows: int, seq_len: int) -> tuple[P
 
 
 def take_rows(rows: PackedRows, start: int, stop: int) -> PackedRows:
-    return PackedRows(*(getattr(rows, f)[start:stop] for f in ("input_ids", "position_ids", "document_ids", "loss_mask")))
+    return PackedRows(
+        *(
+            getattr(rows, f)[start:stop]
+            for f in ("input_ids", "position_ids", "document_ids", "loss_mask")
+        )
+    )
 
 
 def synthetic_batches(
-    *, seed: int, start_step: int, start: DataPosition, batch_size: int, micro_batch_size: int,
-    seq_len: int, dp_rank: int, dp_size: int,
+    *,
+    seed: int,
+    start_step: int,
+    start: DataPosition,
+    batch_size: int,
+    micro_batch_size: int,
+    seq_len: int,
+    dp_rank: int,
+    dp_size: int,
 ) -> Iterator[SftBatch]:
     """This rank's batches for steps start_step+1, start_step+2, ... (infinite)."""
     per_rank = batch_size // dp_size
@@ -57,7 +71,8 @@ def synthetic_batches(
         lo = dp_rank * per_rank
         cursor += sum(docs_per_row)
         micro = tuple(
-            take_rows(rows, i, i + micro_batch_size) for i in range(lo, lo + per_rank, micro_batch_size)
+            take_rows(rows, i, i + micro_batch_size)
+            for i in range(lo, lo + per_rank, micro_batch_size)
         )
         yield SftBatch(
             micro_batches=micro,

@@ -42,7 +42,9 @@ def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
     mask = block_causal_mask(rows.document_ids)
     if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
         dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min
+        )
     return mask
 
 
@@ -88,7 +90,10 @@ class StepTotals:
 
 
 def accumulate_gradients_(
-    model: nn.Module, batch: Any, runtime: Runtime, loss_fn: LossFn,
+    model: nn.Module,
+    batch: Any,
+    runtime: Runtime,
+    loss_fn: LossFn,
     rows_of: Callable[[Any], PackedRows] = lambda mb: mb,
 ) -> StepTotals:
     """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
@@ -141,14 +146,21 @@ def accumulate_gradients_(
                 (logits.sum() * 0.0).backward()
     keys = sorted(sums)
     reduced = all_reduce_sum(
-        torch.stack([loss_sum, nan_count, *(torch.as_tensor(sums[k], device=device) for k in keys)]),
+        torch.stack(
+            [loss_sum, nan_count, *(torch.as_tensor(sums[k], device=device) for k in keys)]
+        ),
         distributed,
     )
     if moe_stats is not None:
         moe_stats = all_reduce_sum(moe_stats, distributed)
     return StepTotals(
-        loss_sum=reduced[0], nan_count=reduced[1], sums=dict(zip(keys, reduced[2:])),
-        loss_tokens=loss_tokens, samples=samples, tokens=tokens, moe_stats=moe_stats,
+        loss_sum=reduced[0],
+        nan_count=reduced[1],
+        sums=dict(zip(keys, reduced[2:])),
+        loss_tokens=loss_tokens,
+        samples=samples,
+        tokens=tokens,
+        moe_stats=moe_stats,
     )
 
 
@@ -191,7 +203,9 @@ def complete_step_(
     batch's data-side metrics are appended so the row carries them too.
     """
     handles = state.handles
-    optim_metrics = optimizer_update_(handles.model, handles.optimizer, state.progress.step + 1, state.config)
+    optim_metrics = optimizer_update_(
+        handles.model, handles.optimizer, state.progress.step + 1, state.config
+    )
     metrics = {
         **totals.metrics(),
         **loss_metrics,

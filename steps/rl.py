@@ -139,7 +139,10 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     config = state.config.loss
     started = time.perf_counter()
     totals = accumulate_gradients_(
-        state.handles.model, batch, state.handles.runtime,
-        lambda logits, mb: rl_loss(logits, mb, config), rows_of=lambda mb: mb.rows,
+        state.handles.model,
+        batch,
+        state.handles.runtime,
+        lambda logits, mb: rl_loss(logits, mb, config),
+        rows_of=lambda mb: mb.rows,
     )
     return complete_step_(state, batch, totals, rl_metrics(totals), time.perf_counter() - started)

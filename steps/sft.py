@@ -41,5 +41,9 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
     totals = accumulate_gradients_(state.handles.model, batch, state.handles.runtime, sft_loss)
     loss_mean = totals.loss_sum / max(totals.loss_tokens, 1.0)
     return complete_step_(
-        state, batch, totals, {"loss/perplexity": torch.exp(loss_mean)}, time.perf_counter() - started
+        state,
+        batch,
+        totals,
+        {"loss/perplexity": torch.exp(loss_mean)},
+        time.perf_counter() - started,
     )

@@ -29,8 +29,12 @@ def heldout_similarity(model_dir: Path, data: Path, limit: int, max_new_tokens: 
         for record in records:
             prompt_ids = render_prompt(prompt_messages(record), tokenizer)
             (completion,) = generate(
-                model, prompt_ids, num_samples=1, max_new_tokens=max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id, greedy=True,
+                model,
+                prompt_ids,
+                num_samples=1,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                greedy=True,
             )
             text = tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
             scores.append(similarity(text, record))

@@ -23,7 +23,9 @@ def random_text(rng: random.Random, min_len: int, max_len: int) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
 
 
-def unique_texts(rng: random.Random, count: int, min_len: int, max_len: int, taken: set[str]) -> list[str]:
+def unique_texts(
+    rng: random.Random, count: int, min_len: int, max_len: int, taken: set[str]
+) -> list[str]:
     texts: list[str] = []
     while len(texts) < count:
         text = random_text(rng, min_len, max_len)
@@ -38,10 +40,12 @@ def prompt_record(text: str) -> dict:
 
 
 def chat_record(text: str) -> dict:
-    return {"messages": [
-        {"role": "user", "content": PROMPT_PREFIX + text},
-        {"role": "assistant", "content": text[::-1]},
-    ]}
+    return {
+        "messages": [
+            {"role": "user", "content": PROMPT_PREFIX + text},
+            {"role": "assistant", "content": text[::-1]},
+        ]
+    }
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -68,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(args.out / "heldout.jsonl", [prompt_record(t) for t in heldout])
     write_jsonl(args.out / "sft.jsonl", [chat_record(t) for t in sft])
     write_jsonl(args.out / "rl.jsonl", [prompt_record(t) for t in rl])
-    print(json.dumps({"out": str(args.out), "sft": len(sft), "rl": len(rl), "heldout": len(heldout)}))
+    print(
+        json.dumps({"out": str(args.out), "sft": len(sft), "rl": len(rl), "heldout": len(heldout)})
+    )
 
 
 if __name__ == "__main__":

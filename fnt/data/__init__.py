@@ -8,9 +8,9 @@ The order of samples is a pure function of (seed, epoch, cursor); fnt.data.order
 epoch is with weighted sources.
 """
 
+from fnt.config import source_name
 from fnt.data.chat import conversation_from_record, tokenize_conversation
 from fnt.data.corpus import Corpus, SampleFate, fit_to_length
-from fnt.config import source_name
 from fnt.data.load import DataError, load_corpus
 from fnt.data.order import SampleOrder, epoch_order, source_quotas
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics

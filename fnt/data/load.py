@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
-from fnt.data.chat import conversation_from_record, tokenize_conversation
 from fnt.config import source_name
+from fnt.data.chat import conversation_from_record, tokenize_conversation
 from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
 
 

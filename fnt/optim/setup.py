@@ -24,15 +24,25 @@ def setup_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     if optim_config.name == "sgd":
         if optim_config.impl != "torch":
-            raise ConfigError(f"'optim.impl' = {optim_config.impl!r} applies to adamw only; use \"torch\" with sgd")
+            raise ConfigError(
+                f"'optim.impl' = {optim_config.impl!r} applies to adamw only; "
+                'use "torch" with sgd'
+            )
         return torch.optim.SGD(
-            params, lr=optim_config.lr, momentum=optim_config.momentum,
+            params,
+            lr=optim_config.lr,
+            momentum=optim_config.momentum,
             weight_decay=optim_config.weight_decay,
         )
     if optim_config.impl != "torch":
-        raise ConfigError(f"'optim.impl' = {optim_config.impl!r} is not implemented yet; use \"torch\"")
+        raise ConfigError(
+            f"'optim.impl' = {optim_config.impl!r} is not implemented yet; use \"torch\""
+        )
     return torch.optim.AdamW(
-        params, lr=optim_config.lr, betas=optim_config.betas, eps=optim_config.eps,
+        params,
+        lr=optim_config.lr,
+        betas=optim_config.betas,
+        eps=optim_config.eps,
         weight_decay=optim_config.weight_decay,
     )
 

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.data import DataError, check_batch_layout
 from fnt.checkpoint import cleanup_checkpoints_
+from fnt.data import DataError, check_batch_layout
 from fnt.resume import COMPLETE_MARKER
 from fnt.rollout.generate import Completion
 from fnt.rollout.pack import RolloutSample, pack_rollouts
@@ -50,7 +50,7 @@ def weights_dir(output_dir: str, step: int) -> Path:
 
 
 def wait_for_rollouts(path: Path, timeout_s: float) -> float:
-    """Block until `path/COMPLETE` exists; returns the seconds waited, RolloutTimeout after timeout_s."""
+    """Block until `path/COMPLETE` exists; the seconds waited, or RolloutTimeout after timeout_s."""
     started = time.perf_counter()
     while not (path / COMPLETE_MARKER).is_file():
         waited = time.perf_counter() - started
@@ -65,7 +65,9 @@ def wait_for_rollouts(path: Path, timeout_s: float) -> float:
 
 
 def _int_list(value: Any, key: str, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
         raise DataError(f"{where}: '{key}' must be a list of token ids (integers)")
     return value
 
@@ -88,7 +90,11 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
     numbers = {}
     for key, default in (("advantage", None), ("reward", 0.0), ("temperature", 1.0)):
         value = record.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise DataError(f"{where}: '{key}' must be a finite number")
         numbers[key] = float(value)
     if numbers["temperature"] <= 0:
@@ -101,12 +107,16 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
             raise DataError(f"{where}: 'inference_logprobs' must be numbers")
     completion = Completion(
         token_ids=tuple(completion_ids),
-        logprobs=tuple(float(v) for v in logprobs) if logprobs is not None else (0.0,) * len(completion_ids),
+        logprobs=tuple(float(v) for v in logprobs)
+        if logprobs is not None
+        else (0.0,) * len(completion_ids),
         stopped=True,
     )
     sample = RolloutSample(
-        prompt_ids=tuple(prompt_ids), completion=completion,
-        reward=numbers["reward"], advantage=numbers["advantage"],
+        prompt_ids=tuple(prompt_ids),
+        completion=completion,
+        reward=numbers["reward"],
+        advantage=numbers["advantage"],
     )
     return sample, numbers["temperature"], logprobs is not None
 
@@ -127,24 +137,29 @@ def read_rollouts(path: Path) -> tuple[list[RolloutSample], float, bool]:
     if not samples:
         raise DataError(f"{file}: no samples")
     if len(temperatures) > 1:
-        raise DataError(f"{file}: all samples of a step must share one temperature, got {sorted(temperatures)}")
+        raise DataError(
+            f"{file}: all samples of a step must share one temperature, got {sorted(temperatures)}"
+        )
     if len(with_logprobs) > 1:
         raise DataError(f"{file}: either every sample has 'inference_logprobs' or none has")
     return samples, temperatures.pop(), with_logprobs.pop()
 
 
-def rank_samples(samples: list[RolloutSample], dp_rank: int, dp_size: int, where: Path) -> list[RolloutSample]:
+def rank_samples(
+    samples: list[RolloutSample], dp_rank: int, dp_size: int, where: Path
+) -> list[RolloutSample]:
     """The contiguous share of rank dp_rank; the count must divide evenly. Pure."""
     if len(samples) % dp_size:
         raise DataError(
-            f"{where}: {len(samples)} samples do not split evenly over {dp_size} data-parallel ranks"
+            f"{where}: {len(samples)} samples do not split evenly over "
+            f"{dp_size} data-parallel ranks"
         )
     per_rank = len(samples) // dp_size
     return samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
 
 def external_metrics(samples: list[RolloutSample], waited: float) -> dict[str, float]:
-    """reward/mean, reward/std, time/rollout, rollout/completion_len/mean over the whole step. Pure."""
+    """reward/mean, reward/std, time/rollout and rollout/completion_len/mean of a step. Pure."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float64)
     return {
@@ -167,7 +182,9 @@ def external_batches(state: TrainState) -> Iterator[RLBatch]:
     dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
     check_batch_layout(config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_token_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     publish_weights_(state)
 
     def batches() -> Iterator[RLBatch]:
@@ -180,12 +197,17 @@ def external_batches(state: TrainState) -> Iterator[RLBatch]:
             samples, temperature, has_logprobs = read_rollouts(path)
             mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
             micro_batches = pack_rollouts(
-                mine, num_rows=config.batch_size // dp_size, seq_len=config.seq_len,
-                micro_batch_size=config.micro_batch_size, temperature=temperature,
+                mine,
+                num_rows=config.batch_size // dp_size,
+                seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size,
+                temperature=temperature,
                 pad_token_id=pad_token_id,
             )
             if not has_logprobs:
-                micro_batches = tuple(dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches)
+                micro_batches = tuple(
+                    dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches
+                )
             cursor += len(samples)
             yield RLBatch(
                 micro_batches=micro_batches,
@@ -205,7 +227,9 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     directories beyond rollout.keep_weights. Returns the directory on rank 0, None elsewhere.
     """
     config, runtime, model = state.config, state.handles.runtime, state.handles.model
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not runtime.is_main:
         return None
     from transformers import AutoTokenizer

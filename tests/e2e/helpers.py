@@ -17,7 +17,11 @@ def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, ch
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
     proc = subprocess.run(
         [*launcher, str(REPO / "scripts" / script), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

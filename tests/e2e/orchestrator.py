@@ -42,13 +42,23 @@ def main() -> None:
         digest = hashlib.sha256((weights / "model.safetensors").read_bytes()).hexdigest()[:16]
         tok = AutoTokenizer.from_pretrained(weights)
         model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32).eval()
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"say {step}"}],
-                                         add_generation_prompt=True, tokenize=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": f"say {step}"}], add_generation_prompt=True, tokenize=True
+        )
+        prompt = list(
+            prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        )
         gen = torch.Generator().manual_seed(step)
         with torch.no_grad():
-            completions = generate(model, prompt, num_samples=args.samples, max_new_tokens=8,
-                                   eos_token_id=tok.eos_token_id, temperature=1.0, generator=gen)
+            completions = generate(
+                model,
+                prompt,
+                num_samples=args.samples,
+                max_new_tokens=8,
+                eos_token_id=tok.eos_token_id,
+                temperature=1.0,
+                generator=gen,
+            )
         rewards = [float(sum(c.token_ids) % 5) for c in completions]  # varies, so advantages do
         mean = sum(rewards) / len(rewards)
         out = args.run / "rollouts" / f"step_{step}"
@@ -56,9 +66,19 @@ def main() -> None:
         partial.mkdir(parents=True)
         with open(partial / "samples.jsonl", "w") as fh:
             for c, r in zip(completions, rewards):
-                fh.write(json.dumps({"prompt_ids": prompt, "completion_ids": list(c.token_ids),
-                                     "inference_logprobs": list(c.logprobs), "reward": r,
-                                     "advantage": r - mean, "temperature": 1.0}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "prompt_ids": prompt,
+                            "completion_ids": list(c.token_ids),
+                            "inference_logprobs": list(c.logprobs),
+                            "reward": r,
+                            "advantage": r - mean,
+                            "temperature": 1.0,
+                        }
+                    )
+                    + "\n"
+                )
         (partial / "COMPLETE").write_text("")
         os.replace(partial, out)
         seen.append({"step": step, "weights": step - 1, "sha": digest})

@@ -22,8 +22,15 @@ def trained(tiny_model_dir, tmp_path_factory):
     for state, _ in fold(state, [batch_of(rows, 2)] * 3, sft_step):
         pass
     root = tmp_path_factory.mktemp("export") / "checkpoints"
-    ckpt = save_checkpoint(root, state.progress, state.handles.model, state.handles.optimizer,
-                           model_name=str(tiny_model_dir), rank=0, distributed=False)
+    ckpt = save_checkpoint(
+        root,
+        state.progress,
+        state.handles.model,
+        state.handles.optimizer,
+        model_name=str(tiny_model_dir),
+        rank=0,
+        distributed=False,
+    )
     probe = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = state.handles.model(input_ids=probe).logits
@@ -41,7 +48,15 @@ def test_float32_export_has_the_trained_logits(trained, tmp_path):
 
 def test_bfloat16_export_is_the_rounded_trained_model(trained, tmp_path):
     ckpt, probe, logits, model = trained
-    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16")
+    run_script(
+        "export_hf.py",
+        "--checkpoint",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "hf"),
+        "--dtype",
+        "bfloat16",
+    )
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     trained_weights = dict(model.named_parameters())
     for name, p in exported.named_parameters():
@@ -53,12 +68,26 @@ def test_bfloat16_export_is_the_rounded_trained_model(trained, tmp_path):
 
 def test_a_two_rank_checkpoint_exports(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    run_script("sft.py", "--config", "examples/debug/sft.toml", "--model.name", str(tiny_model_dir),
-               "--output-dir", str(out), "--max-steps", "1", nproc=2)
+    run_script(
+        "sft.py",
+        "--config",
+        "examples/debug/sft.toml",
+        "--model.name",
+        str(tiny_model_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "1",
+        nproc=2,
+    )
     ckpt = out / "checkpoints" / "step_1"
     assert len(list(ckpt.glob("*.distcp"))) == 2
     run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    changed = [n for n, p in exported.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    changed = [
+        n
+        for n, p in exported.named_parameters()
+        if not torch.equal(p, dict(base.named_parameters())[n])
+    ]
     assert len(changed) == len(list(base.parameters()))  # every tensor was trained and exported

@@ -18,12 +18,27 @@ from fnt.resume import resolve_resume_step
 from tests.e2e.helpers import REPO, run_script
 
 N, K = 6, 3
-EXACT_KEYS = ("loss/mean", "optim/grad_norm", "optim/lr", "progress/num_samples", "progress/num_tokens")
+EXACT_KEYS = (
+    "loss/mean",
+    "optim/grad_norm",
+    "optim/lr",
+    "progress/num_samples",
+    "progress/num_tokens",
+)
 
 
 def args(model_dir, out, *extra):
-    return ("--config", "examples/debug/sft.toml", "--model.name", str(model_dir), "--output-dir",
-            str(out), "--max-steps", str(N), *extra)
+    return (
+        "--config",
+        "examples/debug/sft.toml",
+        "--model.name",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(N),
+        *extra,
+    )
 
 
 def model_weights(ckpt_dir, tmp_path) -> dict[str, torch.Tensor]:
@@ -57,13 +72,22 @@ def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
 
 
 @pytest.mark.parametrize("phase", ["shards", "marker"])
-def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tiny_model_dir, tmp_path, phase):
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
+    tiny_model_dir, tmp_path, phase
+):
     out = tmp_path / "run"
     env = {**os.environ, FAULT_ENV: f"4:{phase}"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "sft.py"),
-         *args(tiny_model_dir, out, "--ckpt.interval", "2")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "sft.py"),
+            *args(tiny_model_dir, out, "--ckpt.interval", "2"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (out / "checkpoints" / "step_4.partial").is_dir()  # the save really was under way

@@ -11,17 +11,40 @@ from tests.e2e.helpers import run_script
 from tests.e2e.test_resume import model_weights
 
 RL_KEYS = {
-    "loss/mean", "entropy/all/mean", "mismatch_kl/all/mean", "kl_ent_ratio/mean",
-    "masked/high_fraction", "masked/low_fraction", "reward/mean", "reward/std", "time/rollout",
-    "rollout/tokens_per_second", "optim/grad_norm", "optim/lr", "perf/throughput", "perf/mfu",
-    "system/ckpt_disk_free_gib", "time/step", "time/save_ckpt", "progress/num_samples",
+    "loss/mean",
+    "entropy/all/mean",
+    "mismatch_kl/all/mean",
+    "kl_ent_ratio/mean",
+    "masked/high_fraction",
+    "masked/low_fraction",
+    "reward/mean",
+    "reward/std",
+    "time/rollout",
+    "rollout/tokens_per_second",
+    "optim/grad_norm",
+    "optim/lr",
+    "perf/throughput",
+    "perf/mfu",
+    "system/ckpt_disk_free_gib",
+    "time/step",
+    "time/save_ckpt",
+    "progress/num_samples",
 }
 EXACT = ("reward/mean", "reward/std", "loss/mean", "optim/grad_norm", "entropy/all/mean")
 
 
 def rl_args(model_dir, out, *extra):
-    return ("--config", "examples/debug/rl.toml", "--model.name", str(model_dir), "--output-dir",
-            str(out), "--max-steps", "4", *extra)
+    return (
+        "--config",
+        "examples/debug/rl.toml",
+        "--model.name",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "4",
+        *extra,
+    )
 
 
 def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_dir, tmp_path):

@@ -11,17 +11,40 @@ from fnt.monitors import read_metrics
 from tests.e2e.helpers import run_script
 
 REQUIRED_KEYS = {
-    "step", "time", "perf/throughput", "perf/throughput_per_rank", "perf/mfu", "perf/peak_memory",
-    "optim/lr", "optim/grad_norm", "system/ckpt_disk_free_gib", "system/ckpt_disk_used_gib",
-    "system/ckpt_disk_total_gib", "system/ckpt_disk_free_ratio", "loss/mean", "loss/perplexity",
-    "loss/nan_count", "time/step", "time/forward_backward", "time/save_ckpt", "progress/epoch",
-    "progress/num_samples", "progress/num_tokens",
+    "step",
+    "time",
+    "perf/throughput",
+    "perf/throughput_per_rank",
+    "perf/mfu",
+    "perf/peak_memory",
+    "optim/lr",
+    "optim/grad_norm",
+    "system/ckpt_disk_free_gib",
+    "system/ckpt_disk_used_gib",
+    "system/ckpt_disk_total_gib",
+    "system/ckpt_disk_free_ratio",
+    "loss/mean",
+    "loss/perplexity",
+    "loss/nan_count",
+    "time/step",
+    "time/forward_backward",
+    "time/save_ckpt",
+    "progress/epoch",
+    "progress/num_samples",
+    "progress/num_tokens",
 }
 
 
 def sft_args(model_dir, out, *extra):
-    return ("--config", "examples/debug/sft.toml", "--model.name", str(model_dir),
-            "--output-dir", str(out), *extra)
+    return (
+        "--config",
+        "examples/debug/sft.toml",
+        "--model.name",
+        str(model_dir),
+        "--output-dir",
+        str(out),
+        *extra,
+    )
 
 
 def assert_chrome_trace(path):
@@ -33,14 +56,21 @@ def assert_chrome_trace(path):
 @pytest.fixture(scope="module")
 def one_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft1")
-    proc = run_script("sft.py", *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")))
+    proc = run_script(
+        "sft.py",
+        *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")),
+    )
     return out, proc
 
 
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft2")
-    proc = run_script("sft.py", *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")), nproc=2)
+    proc = run_script(
+        "sft.py",
+        *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")),
+        nproc=2,
+    )
     return out, proc
 
 

@@ -30,17 +30,29 @@ def poison_first_call_(model, enabled: bool) -> None:
 
 
 def main(model_dir: str) -> None:
-    config = Config(model=ModelConfig(name=model_dir), max_steps=2, batch_size=4, micro_batch_size=1, seq_len=32)
+    config = Config(
+        model=ModelConfig(name=model_dir), max_steps=2, batch_size=4, micro_batch_size=1, seq_len=32
+    )
     runtime = setup_trainer(config)
     state, _ = build_state(config, runtime)
     poison_first_call_(state.handles.model, enabled=runtime.rank == 0)
-    batches = synthetic_batches(seed=0, start_step=0, start=state.progress.data, batch_size=4,
-                                micro_batch_size=1, seq_len=32, dp_rank=runtime.dp_rank, dp_size=runtime.dims.dp)
+    batches = synthetic_batches(
+        seed=0,
+        start_step=0,
+        start=state.progress.data,
+        batch_size=4,
+        micro_batch_size=1,
+        seq_len=32,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dims.dp,
+    )
     rows = []
     for state, metrics in fold(state, [next(batches), next(batches)], sft_step):
         rows.append({k: float(v) for k, v in metrics.items() if k.startswith(("loss/", "optim/"))})
-    finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
-                 for p in state.handles.model.parameters())
+    finite = all(
+        bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
+        for p in state.handles.model.parameters()
+    )
     print(json.dumps({"rank": runtime.rank, "rows": rows, "weights_finite": finite}), flush=True)
     teardown_trainer(runtime)
 

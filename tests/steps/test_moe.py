@@ -56,8 +56,18 @@ def test_moe_rows_carry_the_stats_and_dense_rows_do_not(tiny_model_dir, tiny_moe
 def test_moe_stats_are_reduced_across_ranks(tiny_moe_dir, tmp_path):
     def rows_for(nproc):
         out = tmp_path / f"moe{nproc}"
-        run_script("sft.py", "--config", "examples/debug/sft.toml", "--model.name", str(tiny_moe_dir),
-                   "--output-dir", str(out), "--max-steps", "2", nproc=nproc)
+        run_script(
+            "sft.py",
+            "--config",
+            "examples/debug/sft.toml",
+            "--model.name",
+            str(tiny_moe_dir),
+            "--output-dir",
+            str(out),
+            "--max-steps",
+            "2",
+            nproc=nproc,
+        )
         return read_metrics(out)
 
     one, two = rows_for(0), rows_for(2)

@@ -41,9 +41,20 @@ def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
 
 def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(HERE / "nan_loop.py"), str(tiny_model_dir)],
-        capture_output=True, text=True, timeout=180, cwd=HERE.parents[1],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(HERE / "nan_loop.py"),
+            str(tiny_model_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=HERE.parents[1],
         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -141,8 +141,13 @@ def test_masked_tokens_keep_the_penalty_gradient():
     probs = torch.softmax(logits.detach()[0, 0] / temp, -1)
     log_r = math.log(2.0)  # r = 2 with A > 0: masked high
     inference = torch.tensor([[0.0, float(probs[input_ids[0, 1]].log()) - log_r]])
-    mb = micro_batch(input_ids, torch.tensor([[False, True]]), torch.tensor([[0.0, 1.0]]),
-                     torch.full((1, 2), temp), inference)
+    mb = micro_batch(
+        input_ids,
+        torch.tensor([[False, True]]),
+        torch.tensor([[0.0, 1.0]]),
+        torch.full((1, 2), temp),
+        inference,
+    )
 
     loss, sums = rl_loss(logits, mb, config)
     loss.backward()
@@ -182,8 +187,13 @@ def totals_of(sums, loss_tokens: float) -> StepTotals:
 
 
 def test_metrics_divide_by_their_own_counts():
-    values = {"entropy": 8.0, "masked_high": 1.0, "masked_low": 3.0, "mismatch_kl": 0.6,
-              "mismatch_tokens": 6.0}
+    values = {
+        "entropy": 8.0,
+        "masked_high": 1.0,
+        "masked_low": 3.0,
+        "mismatch_kl": 0.6,
+        "mismatch_tokens": 6.0,
+    }
     sums = {key: torch.tensor(value) for key, value in values.items()}
     metrics = rl_metrics(totals_of(sums, loss_tokens=10.0))
     assert float(metrics["entropy/all/mean"]) == pytest.approx(0.8)

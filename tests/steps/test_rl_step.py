@@ -21,7 +21,10 @@ PROMPT_LENGTHS = (8, 12, 16, 20)
 ADVANTAGES = (1.0, -1.0, 1.0, -1.0)
 TEMPERATURES = (1.0, 0.7, 1.3, 1.0)
 RL_KEYS = {
-    "loss/mean", "entropy/all/mean", "masked/high_fraction", "masked/low_fraction",
+    "loss/mean",
+    "entropy/all/mean",
+    "masked/high_fraction",
+    "masked/low_fraction",
     "optim/grad_norm",
 }
 MISMATCH_KEYS = {"mismatch_kl/all/mean", "kl_ent_ratio/mean"}
@@ -29,8 +32,11 @@ MISMATCH_KEYS = {"mismatch_kl/all/mean", "kl_ent_ratio/mean"}
 
 def make_state(model_dir, lr=1e-2, loss=RLLossConfig()):
     config = RLConfig(
-        model=ModelConfig(name=str(model_dir)), optim=OptimConfig(lr=lr, max_norm=1.0),
-        max_steps=10, seq_len=T, loss=loss,
+        model=ModelConfig(name=str(model_dir)),
+        optim=OptimConfig(lr=lr, max_norm=1.0),
+        max_steps=10,
+        seq_len=T,
+        loss=loss,
     )
     state, _ = build_state(config, setup_trainer(config))
     return state
@@ -70,7 +76,9 @@ def rl_batch(rows: PackedRows, inference_logprobs=None, size=ROWS) -> RLBatch:
 
     return RLBatch(
         micro_batches=tuple(micro(i, i + size) for i in range(0, ROWS, size)),
-        num_samples=ROWS, data_after=DataPosition(0, ROWS), metrics={"reward/mean": 0.5},
+        num_samples=ROWS,
+        data_after=DataPosition(0, ROWS),
+        metrics={"reward/mean": 0.5},
     )
 
 
@@ -133,8 +141,11 @@ def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir):
     def grads_for(micro_batch_size):
         model.zero_grad(set_to_none=True)
         totals = accumulate_gradients_(
-            model, rl_batch(rows, inference, micro_batch_size), runtime,
-            lambda logits, mb: rl_loss(logits, mb, loss_config), rows_of=lambda mb: mb.rows,
+            model,
+            rl_batch(rows, inference, micro_batch_size),
+            runtime,
+            lambda logits, mb: rl_loss(logits, mb, loss_config),
+            rows_of=lambda mb: mb.rows,
         )
         return totals, [p.grad.clone() for p in model.parameters()]
 

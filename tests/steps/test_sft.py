@@ -72,7 +72,9 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny_model_dir, 
 def test_progress_counts_tokens_samples_and_data_position(tiny_model_dir):
     state = make_state(tiny_model_dir)
     rows, docs = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
-    batch = dataclasses.replace(batch_of(rows, 2, num_samples=sum(docs)), data_after=DataPosition(0, 9))
+    batch = dataclasses.replace(
+        batch_of(rows, 2, num_samples=sum(docs)), data_after=DataPosition(0, 9)
+    )
     state, metrics = sft_step(state, batch)
     assert state.progress.step == 1
     assert state.progress.total_tokens == 4 * 32
@@ -93,7 +95,9 @@ def test_stepping_a_consumed_state_raises(tiny_model_dir):
 
 def three_step_losses(model_dir, **model_overrides):
     state = make_state(model_dir)
-    config = dataclasses.replace(state.config, model=dataclasses.replace(state.config.model, **model_overrides))
+    config = dataclasses.replace(
+        state.config, model=dataclasses.replace(state.config.model, **model_overrides)
+    )
     state, _ = build_state(config, state.handles.runtime)
     rows, _ = synthetic_rows(seed=1, step=1, num_rows=4, seq_len=32)
     batch = batch_of(rows, micro_batch_size=2)
