@@ -56,7 +56,8 @@ def conversation_from_record(record: object) -> list[Message]:
     )
 
 
-def _checked_messages(messages: object) -> list[Message]:
+def check_message_list(messages: object) -> None:
+    """ValueError unless `messages` is a non-empty list of {"role": str, "content": str}."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     for i, message in enumerate(messages):
@@ -65,6 +66,10 @@ def _checked_messages(messages: object) -> list[Message]:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise ValueError(f"messages[{i}] needs a string {key!r}")
+
+
+def _checked_messages(messages: object) -> list[Message]:
+    check_message_list(messages)
     if messages[0]["role"] == "assistant":
         # The template cannot render an empty prompt, so the assistant header could not be told
         # apart from the answer and would be trained on.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fnt.batch import DataPosition
+from fnt.data.chat import check_message_list
 from fnt.data.load import DataError
 from fnt.data.order import SampleOrder
 
@@ -50,14 +51,7 @@ def prompt_messages(record: object) -> list[dict[str, Any]]:
             raise ValueError(f"'prompt' must be a string, got {type(record['prompt']).__name__}")
         return [{"role": "user", "content": record["prompt"]}]
     messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"messages[{i}] needs a string {key!r}")
+    check_message_list(messages)
     if messages[-1]["role"] == "assistant":
         raise ValueError(
             "the last message is the assistant's; a prompt ends where the answer starts"

@@ -29,3 +29,8 @@ def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, ch
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def config_args(config: str, model_dir, out, *extra: str) -> tuple[str, ...]:
+    """`--config CONFIG --model.name MODEL --output-dir OUT` plus extra arguments."""
+    return ("--config", config, "--model.name", str(model_dir), "--output-dir", str(out), *extra)

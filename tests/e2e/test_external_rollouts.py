@@ -14,19 +14,16 @@ from transformers import AutoModelForCausalLM
 from fnt.data import DataError
 from fnt.monitors import read_metrics
 from fnt.rollout.external import parse_sample, rank_samples
-from tests.e2e.helpers import REPO, run_script
+from tests.e2e.helpers import REPO, config_args, run_script
 
 STEPS = 3
 
 
 def rl_args(model_dir, out, *extra):
-    return (
-        "--config",
+    return config_args(
         "examples/debug/rl.toml",
-        "--model.name",
-        str(model_dir),
-        "--output-dir",
-        str(out),
+        model_dir,
+        out,
         "--max-steps",
         str(STEPS),
         "--rollout.engine",

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fnt.checkpoint import FAULT_ENV
 from fnt.monitors import read_metrics
 from fnt.resume import resolve_resume_step
-from tests.e2e.helpers import REPO, run_script
+from tests.e2e.helpers import REPO, config_args, run_script
 
 N, K = 6, 3
 EXACT_KEYS = (
@@ -28,17 +28,7 @@ EXACT_KEYS = (
 
 
 def args(model_dir, out, *extra):
-    return (
-        "--config",
-        "examples/debug/sft.toml",
-        "--model.name",
-        str(model_dir),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        str(N),
-        *extra,
-    )
+    return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
 
 
 def model_weights(ckpt_dir, tmp_path) -> dict[str, torch.Tensor]:

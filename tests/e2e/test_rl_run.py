@@ -7,7 +7,7 @@ import shutil
 import torch
 
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import run_script
+from tests.e2e.helpers import config_args, run_script
 from tests.e2e.test_resume import model_weights
 
 RL_KEYS = {
@@ -34,17 +34,7 @@ EXACT = ("reward/mean", "reward/std", "loss/mean", "optim/grad_norm", "entropy/a
 
 
 def rl_args(model_dir, out, *extra):
-    return (
-        "--config",
-        "examples/debug/rl.toml",
-        "--model.name",
-        str(model_dir),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        "4",
-        *extra,
-    )
+    return config_args("examples/debug/rl.toml", model_dir, out, "--max-steps", "4", *extra)
 
 
 def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_dir, tmp_path):

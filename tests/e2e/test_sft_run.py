@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import run_script
+from tests.e2e.helpers import config_args, run_script
 
 REQUIRED_KEYS = {
     "step",
@@ -36,15 +36,7 @@ REQUIRED_KEYS = {
 
 
 def sft_args(model_dir, out, *extra):
-    return (
-        "--config",
-        "examples/debug/sft.toml",
-        "--model.name",
-        str(model_dir),
-        "--output-dir",
-        str(out),
-        *extra,
-    )
+    return config_args("examples/debug/sft.toml", model_dir, out, *extra)
 
 
 def assert_chrome_trace(path):
