@@ -5,13 +5,18 @@
 // tensor of the same total size costs. Each element is read once and written once: fp32 params
 // are updated in place; bf16/fp16 params are written from their fp32 master in the same pass.
 //
-// The arithmetic follows torch's fused CPU AdamW operation by operation (scalars computed in
-// double and rounded to float once, lerp as one fma, no other contraction), so results agree
-// with torch.optim.AdamW(fused=True) to the last bit or so. Build with -ffp-contract=off so the
-// compiler does not fuse other multiply-adds.
+// The arithmetic follows torch's fused CPU AdamW (the AVX2 kernel x86-64 builds of torch run,
+// also on AVX-512 CPUs) operation by operation: scalars computed in double and rounded to
+// float once, the lerp as one fma, and v * beta2 + (1 - beta2) * g * g as the fma torch's
+// compiler forms, fma((1 - beta2) * g, g, v * beta2). torch runs the last numel % 8 elements
+// of each tensor through scalar code whose compiler formed the other fma,
+// fma(v, beta2, (1 - beta2) * g * g); we do the same there. So on such machines the results
+// equal torch.optim.AdamW(fused=True) bit for bit. Build with -ffp-contract=off so the
+// compiler forms no fma other than those written here.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
@@ -24,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <vector>
 
@@ -33,6 +39,8 @@ namespace {
 constexpr int64_t kBlock = 512;
 // Below this many elements in a call the OpenMP fork/join costs more than it saves.
 constexpr int64_t kGrain = 1 << 15;
+// Lanes of torch's vectorized AdamW loop; the remainder of a tensor is its scalar tail.
+constexpr int64_t kTorchLanes = 8;
 
 enum class Kind : uint8_t { F32, BF16, F16 };
 
@@ -42,6 +50,7 @@ struct Item {
   float* exp_avg;
   float* exp_avg_sq;
   float* master;          // fp32 weights of a low-precision param; null for fp32 params
+  int64_t numel;
   float neg_step_size;    // -lr / (1 - beta1^step)
   float bias_corr2_sqrt;  // sqrt(1 - beta2^step)
   Kind param_kind;
@@ -50,7 +59,9 @@ struct Item {
 
 struct Hyper {
   float decay;    // 1 - lr * weight_decay
-  float coeff;    // lerp coefficient: (1 - beta1) or (1 - beta1) - 1, see lerp_small
+  // lerp(m, g, w) with w = 1 - beta1 as torch computes it: fma(w, g - m, m) when |w| < 0.5,
+  // else fma(w - 1, g - m, g); coeff is w or w - 1 accordingly.
+  float coeff;
   float beta2;
   float one_minus_beta2;
   float eps;
@@ -121,8 +132,8 @@ inline void from_float(const float* __restrict src, uint16_t* __restrict dst, in
 }
 
 // The AdamW update of n contiguous fp32 elements; everything is float so it vectorizes.
-// Operation order mirrors torch's fused CPU kernel; see the file comment.
-template <bool kLerpSmall>
+// Operation order mirrors torch's fused CPU kernel, kTail its scalar tail; see the file comment.
+template <bool kLerpSmall, bool kTail>
 inline void adamw_block(float* __restrict w, const float* __restrict g, float* __restrict m,
                         float* __restrict v, int64_t n, const Hyper& h, float neg_step_size,
                         float bias_corr2_sqrt) {
@@ -130,7 +141,8 @@ inline void adamw_block(float* __restrict w, const float* __restrict g, float* _
     const float gi = g[i];
     const float mi = m[i];
     const float m1 = std::fma(h.coeff, gi - mi, kLerpSmall ? mi : gi);
-    const float v1 = v[i] * h.beta2 + h.one_minus_beta2 * gi * gi;
+    const float v1 = kTail ? std::fma(v[i], h.beta2, h.one_minus_beta2 * gi * gi)
+                           : std::fma(h.one_minus_beta2 * gi, gi, v[i] * h.beta2);
     const float denom = std::sqrt(v1) / bias_corr2_sqrt + h.eps;
     m[i] = m1;
     v[i] = v1;
@@ -142,6 +154,7 @@ template <bool kLerpSmall>
 void update_range(const Item& it, int64_t lo, int64_t hi, const Hyper& h) {
   float gbuf[kBlock];
   float* weights = it.master != nullptr ? it.master : static_cast<float*>(it.param);
+  const int64_t tail_start = it.numel - it.numel % kTorchLanes;
   for (int64_t b = lo; b < hi; b += kBlock) {
     const int64_t n = std::min(kBlock, hi - b);
     const float* g;
@@ -151,8 +164,12 @@ void update_range(const Item& it, int64_t lo, int64_t hi, const Hyper& h) {
       to_float(static_cast<const uint16_t*>(it.grad) + b, gbuf, n, it.grad_kind);
       g = gbuf;
     }
-    adamw_block<kLerpSmall>(weights + b, g, it.exp_avg + b, it.exp_avg_sq + b, n, h,
-                            it.neg_step_size, it.bias_corr2_sqrt);
+    const int64_t body = std::clamp<int64_t>(tail_start - b, 0, n);
+    adamw_block<kLerpSmall, false>(weights + b, g, it.exp_avg + b, it.exp_avg_sq + b, body, h,
+                                   it.neg_step_size, it.bias_corr2_sqrt);
+    adamw_block<kLerpSmall, true>(weights + b + body, g + body, it.exp_avg + b + body,
+                                  it.exp_avg_sq + b + body, n - body, h, it.neg_step_size,
+                                  it.bias_corr2_sqrt);
     if (it.master != nullptr) {
       from_float(weights + b, static_cast<uint16_t*>(it.param) + b, n, it.param_kind);
     }
@@ -177,23 +194,20 @@ void for_each_range(const std::vector<int64_t>& offsets, const Fn& fn) {
   });
 }
 
-void check_same_layout(const at::Tensor& ref, const at::Tensor& t, const char* what,
-                       int64_t index) {
-  TORCH_CHECK(t.device().is_cpu(), "CPUAdamW: ", what, " of param ", index, " is not on CPU");
+void check_fp32_state(const at::Tensor& ref, const at::Tensor& t, const char* what,
+                      int64_t index) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "CPUAdamW: ", what,
+              " of param ", index, " must be a float32 CPU tensor");
   TORCH_CHECK(t.sizes() == ref.sizes() && t.strides() == ref.strides(), "CPUAdamW: ", what,
               " of param ", index, " must have the param's shape and strides");
 }
 
-void check_fp32_state(const at::Tensor& ref, const at::Tensor& t, const char* what,
-                      int64_t index) {
-  check_same_layout(ref, t, what, index);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "CPUAdamW: ", what, " of param ", index,
-              " must be float32");
-}
-
-// Increments each step counter and returns the items for one call; the bias corrections are
-// computed in double from the float step, as torch does, once per distinct step value.
-std::vector<Item> make_items(const std::vector<at::Tensor>& params,
+// Validates a call's tensors, then increments each step counter and returns the items; so a
+// failed check leaves every counter as it was. The bias corrections are computed in double
+// from the float step, as torch does, once per distinct step value. grad_copies receives
+// re-laid-out grads the items point into; it must outlive them.
+std::vector<Item> make_items(std::deque<at::Tensor>& grad_copies,
+                             const std::vector<at::Tensor>& params,
                              const std::vector<at::Tensor>& grads,
                              const std::vector<at::Tensor>& exp_avgs,
                              const std::vector<at::Tensor>& exp_avg_sqs,
@@ -205,17 +219,24 @@ std::vector<Item> make_items(const std::vector<at::Tensor>& params,
                   masters.size() == count && steps.size() == count,
               "CPUAdamW: tensor lists must have equal lengths");
   std::vector<Item> items;
+  std::vector<float*> step_ptrs;
   items.reserve(count);
-  float last_step = -1.0f;
-  float neg_step_size = 0.0f;
-  float bias_corr2_sqrt = 0.0f;
+  step_ptrs.reserve(count);
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& p = params[i];
     const auto index = static_cast<int64_t>(i);
     TORCH_CHECK(p.device().is_cpu(), "CPUAdamW: param ", index, " is not on CPU");
     TORCH_CHECK(p.is_non_overlapping_and_dense(), "CPUAdamW: param ", index,
                 " must be dense (no gaps or overlaps in memory)");
-    check_same_layout(p, grads[i], "grad", index);
+    const at::Tensor* grad = &grads[i];
+    TORCH_CHECK(grad->device().is_cpu() && grad->sizes() == p.sizes(), "CPUAdamW: grad of param ",
+                index, " must be a CPU tensor of the param's shape");
+    if (grad->strides() != p.strides()) {
+      // The update walks memory linearly, so the grad needs the param's layout; copy it
+      // (the caller's grad stays untouched) and keep the copy alive for this call.
+      grad_copies.push_back(at::empty_like(p, grad->options()).copy_(*grad));
+      grad = &grad_copies.back();
+    }
     check_fp32_state(p, exp_avgs[i], "exp_avg", index);
     check_fp32_state(p, exp_avg_sqs[i], "exp_avg_sq", index);
     const Kind param_kind = kind_of(p, "param");
@@ -229,17 +250,24 @@ std::vector<Item> make_items(const std::vector<at::Tensor>& params,
     const at::Tensor& step = steps[i];
     TORCH_CHECK(step.device().is_cpu() && step.scalar_type() == at::kFloat && step.numel() == 1,
                 "CPUAdamW: step of param ", index, " must be a float32 CPU scalar");
-    float* step_ptr = step.data_ptr<float>();
-    *step_ptr += 1.0f;
-    if (*step_ptr != last_step) {
-      last_step = *step_ptr;
-      const double s = last_step;
+    step_ptrs.push_back(step.data_ptr<float>());
+    items.push_back(Item{p.data_ptr(), grad->const_data_ptr(), exp_avgs[i].data_ptr<float>(),
+                         exp_avg_sqs[i].data_ptr<float>(), master, p.numel(), 0.0f, 0.0f,
+                         param_kind, kind_of(*grad, "grad")});
+  }
+  float last_step = -1.0f;
+  float neg_step_size = 0.0f;
+  float bias_corr2_sqrt = 0.0f;
+  for (size_t i = 0; i < count; ++i) {
+    const float step = *step_ptrs[i] += 1.0f;
+    if (step != last_step) {
+      last_step = step;
+      const double s = step;
       neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, s))));
       bias_corr2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, s)));
     }
-    items.push_back(Item{p.data_ptr(), grads[i].const_data_ptr(), exp_avgs[i].data_ptr<float>(),
-                         exp_avg_sqs[i].data_ptr<float>(), master, neg_step_size,
-                         bias_corr2_sqrt, param_kind, kind_of(grads[i], "grad")});
+    items[i].neg_step_size = neg_step_size;
+    items[i].bias_corr2_sqrt = bias_corr2_sqrt;
   }
   return items;
 }
@@ -258,8 +286,9 @@ void adamw_step_(const std::vector<at::Tensor>& params, const std::vector<at::Te
                  const std::vector<std::optional<at::Tensor>>& masters,
                  const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2,
                  double eps, double weight_decay) {
-  const std::vector<Item> items =
-      make_items(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2);
+  std::deque<at::Tensor> grad_copies;
+  const std::vector<Item> items = make_items(grad_copies, params, grads, exp_avgs, exp_avg_sqs,
+                                             masters, steps, lr, beta1, beta2);
   if (items.empty()) {
     return;
   }

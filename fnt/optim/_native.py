@@ -46,10 +46,14 @@ def find_compiler() -> str:
     words = shlex.split(requested)
     found = shutil.which(words[0]) if words else None
     if found is None:
+        others = [c for c in ("g++", "clang++") if shutil.which(c)]
+        remedy = (
+            f"set CXX={others[0]}" if others else "install g++ or clang++ (or point CXX at one)"
+        )
+        source = "from $CXX" if os.environ.get("CXX") else "the default"
         raise NativeBuildError(
             f"CPUAdamW(impl='native') compiles its kernel on first use, but the C++ compiler "
-            f"{requested!r} ({'from $CXX' if os.environ.get('CXX') else 'default'}) was not found "
-            f"on PATH. Install g++ or clang++, point CXX at one, or use impl='reference'."
+            f"{requested!r} ({source}) was not found on PATH: {remedy}, or use impl='reference'."
         )
     return found
 

@@ -12,7 +12,7 @@ operation order of ``torch.optim.AdamW(fused=True)``:
     v  = v * beta2 + (1 - beta2) * g * g
     w  = w + (-lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-Per-param state (conventional keys, so torch AdamW checkpoints load and DCP sees plain tensors):
+Per-param state (torch's keys, so torch.optim.AdamW checkpoints load into it and back):
 ``step`` (float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (float32, shaped like the param),
 and for bfloat16/float16 params ``master``, the float32 weights. A low-precision param is written
 from its master in the same pass (round to nearest even), so the master is the source of truth:
@@ -34,13 +34,9 @@ from torch.distributed.tensor import DTensor
 from fnt.optim import _native
 
 IMPLS = ("native", "reference")
+_TORCH_LANES = 8  # see adamw_reference_
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SUPPORTED = (torch.float32, *_LOW_PRECISION)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard this rank owns; under no_grad to_local() is a plain attribute read."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def adamw_reference_(
@@ -61,6 +57,9 @@ def adamw_reference_(
 
     Increments each ``steps`` counter. Where ``masters[i]`` is a tensor the update runs on it and
     ``params[i]`` receives the rounded result; otherwise ``params[i]`` (float32) is updated.
+    Rounding matches the kernel step for step (see native/adamw.cpp), including the last
+    ``numel % 8`` elements in memory order, where torch's fused kernel, and so ours, forms a
+    different fma for ``exp_avg_sq``.
     """
     decay = 1.0 - lr * weight_decay
     for p, g, m, v, master, step in zip(
@@ -71,14 +70,34 @@ def adamw_reference_(
         neg_step_size = -(lr / (1.0 - beta1**t))
         bias_corr2_sqrt = math.sqrt(1.0 - beta2**t)
         weights = p if master is None else master
-        g32 = g.to(torch.float32)
-        weights.mul_(decay)
-        m.lerp_(g32, 1.0 - beta1)
-        v.mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
-        denom = v.sqrt().div_(bias_corr2_sqrt).add_(eps)
-        weights.add_(m.mul(neg_step_size).div_(denom))
+        g32 = torch.empty_like(weights).copy_(g)  # float32, laid out like the param
+        w_, g_, m_, v_ = (_memory_order(x) for x in (weights, g32, m, v))
+        body = w_.numel() - w_.numel() % _TORCH_LANES
+
+        w_.mul_(decay)
+        m_.lerp_(g_, 1.0 - beta1)
+        # addcmul computes input + value * t1 * t2 as fma(value * t1, t2, input).
+        tail_gg = g_[body:].mul(1.0 - beta2).mul_(g_[body:])
+        v_[body:] = torch.addcmul(tail_gg, v_[body:], _full_like(v_[body:], beta2))
+        v_[:body].mul_(beta2).addcmul_(g_[:body], g_[:body], value=1.0 - beta2)
+        # A double sqrt rounded to float is exact, torch's float32 sqrt is not always; torch
+        # turns division by a scalar into multiplication by its reciprocal, and division by an
+        # expanded tensor into true division, as in the kernel.
+        denom = v_.double().sqrt_().to(torch.float32)
+        denom.div_(_full_like(denom, bias_corr2_sqrt)).add_(eps)
+        w_.add_(m_.mul(neg_step_size).div_(denom))
         if master is not None:
             p.copy_(master)
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in memory order, as the kernel walks them."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _full_like(t: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` broadcast to ``t``'s shape without allocating."""
+    return torch.tensor(value, dtype=t.dtype).expand_as(t)
 
 
 class CPUAdamW(torch.optim.Optimizer):
@@ -107,8 +126,11 @@ class CPUAdamW(torch.optim.Optimizer):
         _check_hyper(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.impl = impl
-        # Build (or fetch from the cache) now, so a missing compiler fails at construction.
-        self._kernel = _native.load().adamw_step_ if impl == "native" else adamw_reference_
+        if impl == "native":
+            _native.load()  # build (or fetch from the cache) now: a missing compiler fails here
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "impl": self.impl}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -126,7 +148,8 @@ class CPUAdamW(torch.optim.Optimizer):
             _check_hyper(lr, (beta1, beta2), group["eps"], group["weight_decay"])
             lists = self._gather_(group)
             if lists[0]:
-                self._kernel(
+                kernel = _native.load().adamw_step_ if self.impl == "native" else adamw_reference_
+                kernel(
                     *lists,
                     lr=lr,
                     beta1=float(beta1),
@@ -147,18 +170,17 @@ class CPUAdamW(torch.optim.Optimizer):
             st = state[p]
             if not st:
                 _init_state_(p, st)
-            lp = _local(p)
-            lg = _local(g)
-            if lg.stride() != lp.stride():
-                # The kernel walks memory linearly; give it a grad laid out like the param
-                # (a copy, so the caller's grad is untouched).
-                lg = torch.empty_like(lp, dtype=lg.dtype).copy_(lg)
-            params.append(lp)
-            grads.append(lg)
-            exp_avgs.append(_local(st["exp_avg"]))
-            exp_avg_sqs.append(_local(st["exp_avg_sq"]))
-            master = st.get("master")
-            masters.append(None if master is None else _local(master))
+            m, v, master = st["exp_avg"], st["exp_avg_sq"], st.get("master")
+            if isinstance(p, DTensor):
+                # The kernel works on this rank's shard; under no_grad to_local() is an
+                # attribute read, and the state DTensors share the param's sharding.
+                p, g, m, v = p.to_local(), g.to_local(), m.to_local(), v.to_local()
+                master = None if master is None else master.to_local()
+            params.append(p)
+            grads.append(g)
+            exp_avgs.append(m)
+            exp_avg_sqs.append(v)
+            masters.append(master)
             steps.append(st["step"])
         return params, grads, exp_avgs, exp_avg_sqs, masters, steps
 
@@ -228,6 +250,25 @@ def _check_param(p: torch.Tensor) -> None:
         raise ValueError(f"CPUAdamW: params must be on CPU, got one on {p.device}")
     if p.dtype not in _SUPPORTED:
         raise ValueError(f"CPUAdamW: param dtype must be one of {_SUPPORTED}, got {p.dtype}")
+    local = p.to_local() if isinstance(p, DTensor) else p
+    if not _is_dense(local):
+        raise ValueError(
+            "CPUAdamW: params must be dense in memory (a view with gaps, such as a slice of a "
+            f"larger tensor, cannot be updated in one pass); got strides {local.stride()} for "
+            f"shape {tuple(local.shape)}"
+        )
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a contiguous memory range in some dimension order."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if size == 0:
+            return True
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _init_state_(p: torch.Tensor, st: dict[str, Any]) -> None:
@@ -249,7 +290,9 @@ def _as_fp32_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             f"CPUAdamW: loaded state of shape {tuple(t.shape)} for a param of shape "
             f"{tuple(p.shape)}"
         )
-    if _local(t).stride() != _local(p).stride():
+    if isinstance(t, DTensor) != isinstance(p, DTensor):
+        raise ValueError("CPUAdamW: loaded state must be a DTensor exactly when its param is")
+    if t.stride() != p.stride():
         t = torch.empty_like(p, dtype=torch.float32).copy_(t)
     return t
 
@@ -264,8 +307,7 @@ def _loaded_state(p: torch.Tensor, saved: dict[str, Any]) -> dict[str, Any]:
     if p.dtype in _LOW_PRECISION:
         master = saved.get("master")
         st["master"] = (
-            p.detach().to(torch.float32, copy=True) if master is None
-            else _as_fp32_like(p, master)
+            p.detach().to(torch.float32, copy=True) if master is None else _as_fp32_like(p, master)
         )
     else:
         # A float32 param is its own master; a saved one (from a bf16 run) would go stale.
