@@ -74,6 +74,8 @@ class OptimConfig:
     """Optimizer state with the parameters, on CPU ("state"), or full offload with CPU masters."""
     keep_fp32: tuple[str, ...] = ()
     """Parameter name substrings kept in float32 on the accelerator under full offload."""
+    offload_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the compute parameters under full offload (the CPU masters stay float32)."""
 
 
 @dataclass_json

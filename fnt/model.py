@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnt.config import ModelConfig
+from fnt.config import ConfigError, ModelConfig
+from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, fp32_module_names
 from fnt.setup import Runtime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -32,8 +33,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_model(model_config: ModelConfig, runtime: Runtime) -> tuple[nn.Module, ModelFacts]:
-    """from_pretrained a local directory, then activation checkpointing and FSDP2 as configured."""
+def load_model(
+    model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD
+) -> tuple[nn.Module, ModelFacts]:
+    """from_pretrained a local directory, then activation checkpointing and FSDP2 as configured.
+
+    ``plan`` (from fnt.optim.setup.offload_plan) gives the FSDP2 offload and mixed-precision
+    policies (setup_trainer has already bound the process to its GPU's NUMA node when offloading).
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -62,7 +69,7 @@ def load_model(model_config: ModelConfig, runtime: Runtime) -> tuple[nn.Module, 
             )
     model.config.use_cache = False
     if runtime.distributed:
-        shard_model_(model, data_parallel_mesh(runtime))
+        shard_model_(model, data_parallel_mesh(runtime), plan)
     model.train()
     return model, facts
 
@@ -74,10 +81,40 @@ def data_parallel_mesh(runtime: Runtime) -> Any:
     return runtime.mesh["dp_shard"]
 
 
-def shard_model_(model: nn.Module, mesh: Any) -> None:
-    """FSDP2: each decoder layer is its own unit, then the root takes embeddings and head."""
-    from torch.distributed.fsdp import fully_shard
+def shard_model_(model: nn.Module, mesh: Any, plan: OffloadPlan = NO_OFFLOAD) -> None:
+    """FSDP2: each decoder layer is its own unit, then the root takes embeddings and head.
 
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    Under a mixed-precision plan, each module owning a keep_fp32 parameter becomes a unit of its
+    own with a float32 policy, sharded before the unit that contains it (a unit's policy covers
+    every parameter not already in a nested unit).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policies = {}
+    if plan.offload_policy is not None:
+        policies["offload_policy"] = plan.offload_policy
+    fp32_units: list[nn.Module] = []
+    if plan.mp_policy is not None:
+        policies["mp_policy"] = plan.mp_policy
+        names = fp32_module_names([n for n, _ in model.named_parameters()], plan.keep_fp32)
+        if "" in names:
+            raise ConfigError(f"'optim.keep_fp32' = {plan.keep_fp32}: matches a root parameter")
+        fp32_units = [model.get_submodule(name) for name in names]
+    fp32_policies = {
+        **policies,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+    }
+    layers = decoder_layers(model)
+    sharded: set[nn.Module] = set()
+    for layer in layers:
+        inside = {id(m) for m in layer.modules()}
+        for unit in fp32_units:
+            if id(unit) in inside and unit is not layer:
+                fully_shard(unit, mesh=mesh, **fp32_policies)
+                sharded.add(unit)
+        fully_shard(layer, mesh=mesh, **(fp32_policies if layer in fp32_units else policies))
+        sharded.add(layer)
+    for unit in fp32_units:
+        if unit not in sharded:
+            fully_shard(unit, mesh=mesh, **fp32_policies)
+    fully_shard(model, mesh=mesh, **policies)

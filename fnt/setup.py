@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fnt.config import Config, ConfigError, ParallelConfig
+from fnt.optim.offload import bind_numa_
+from fnt.optim.setup import offload_plan
 
 
 @dataclass(frozen=True)
@@ -161,17 +163,25 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
     else:
         device = torch.device("cpu")
 
-    num_threads = config.runtime.num_threads or threads_per_rank(
-        len(os.sched_getaffinity(0)), local_world_size
-    )
+    # With offload on CUDA the rank is pinned to its GPU's NUMA node first, so the CPU AdamW
+    # threads and the pinned host buffers sit next to the GPU; the default thread count is then
+    # a share of that node. An explicit runtime.num_threads always wins.
+    plan = offload_plan(config.optim, device, launched)
+    if plan.bind_numa:
+        auto_threads = bind_numa_(local_rank, local_world_size)
+    else:
+        auto_threads = threads_per_rank(len(os.sched_getaffinity(0)), local_world_size)
+    num_threads = config.runtime.num_threads or auto_threads
     torch.set_num_threads(num_threads)
     torch.set_float32_matmul_precision(config.runtime.matmul_precision)
 
     mesh = None
     if launched:
         if not dist.is_initialized():
+            # On CUDA, gloo serves the collectives over CPU tensors (e.g. the gradient norm of
+            # CPU-offloaded shards); nccl serves everything on the GPU.
             dist.init_process_group(
-                backend="nccl" if use_cuda else "gloo",
+                backend="cuda:nccl,cpu:gloo" if use_cuda else "gloo",
                 timeout=datetime.timedelta(seconds=config.runtime.dist_timeout_s),
                 device_id=device if use_cuda else None,
             )

@@ -16,7 +16,8 @@ Per-param state (torch's keys, so torch.optim.AdamW checkpoints load into it and
 ``step`` (float32 scalar tensor), ``exp_avg`` and ``exp_avg_sq`` (float32, shaped like the param),
 and for bfloat16/float16 params ``master``, the float32 weights. A low-precision param is written
 from its master in the same pass (round to nearest even), so the master is the source of truth:
-change the param and the next step overwrites it from the master.
+change the param and the next step overwrites it from the master. For the same reason
+``CPUAdamW.load_state_dict`` copies a saved ``master`` into a float32 param (side effect).
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if g is None:
                 continue
             st = state[p]
-            if not st:
+            if "exp_avg" not in st:  # fresh, or holding only a primed master
                 _init_state_(p, st)
             m, v, master = st["exp_avg"], st["exp_avg_sq"], st.get("master")
             if isinstance(p, DTensor):
@@ -186,8 +187,9 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, except the state policy: moments and master stay float32 for every
-        param dtype (torch would cast them to a bf16 param's dtype), and a bf16/fp16 param whose
-        state lacks ``master`` (e.g. from a float32 run) gets one from its current value.
+        param dtype (torch would cast them to a bf16 param's dtype), a bf16/fp16 param whose
+        state lacks ``master`` (e.g. from a float32 run) gets one from its current value, and a
+        float32 param whose state has a ``master`` (from a bf16 run) is overwritten with it.
 
         Like torch, tensors already of the right dtype, device and layout are used, not copied.
         """
@@ -273,12 +275,13 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 def _init_state_(p: torch.Tensor, st: dict[str, Any]) -> None:
     """Fresh state for ``p``; zeros_like keeps DTensor-ness and layout, so DCP sees the param's
-    sharding on every state tensor."""
+    sharding on every state tensor. A ``master`` already in ``st`` is kept: it was primed from
+    float32 weights before ``p`` was cast down (fnt.optim.setup.apply_compute_dtype_)."""
     _check_param(p)
     st["step"] = torch.tensor(0.0, dtype=torch.float32)
     st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-    if p.dtype in _LOW_PRECISION:
+    if p.dtype in _LOW_PRECISION and "master" not in st:
         st["master"] = p.detach().to(torch.float32, copy=True)
 
 
@@ -309,7 +312,8 @@ def _loaded_state(p: torch.Tensor, saved: dict[str, Any]) -> dict[str, Any]:
         st["master"] = (
             p.detach().to(torch.float32, copy=True) if master is None else _as_fp32_like(p, master)
         )
-    else:
-        # A float32 param is its own master; a saved one (from a bf16 run) would go stale.
-        st.pop("master", None)
+    elif "master" in st:
+        # A float32 param is its own master. A saved master (from a bf16 run) is the source of
+        # truth of that run's weights, more precise than its rounded params: it becomes the param.
+        p.detach().copy_(_as_fp32_like(p, st.pop("master")))
     return st

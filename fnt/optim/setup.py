@@ -1,26 +1,135 @@
-"""Building the optimizer from config. Side effect: creates optimizer state for the model.
+"""Building the optimizer and the offload plan from config.
 
-`setup_optimizer` is the one place that reads the implementation and offload settings.
+`offload_plan` is pure. Side effects: `setup_optimizer` creates optimizer state for the model (and
+builds the native kernel for ``optim.impl = "native"``); `apply_compute_dtype_` casts parameters
+and hooks the model's and optimizer's state dicts; `set_lr_` sets the learning rate.
+
+This module is the one place that reads the implementation and offload settings; the model loader
+and the state builder act on the `OffloadPlan` it returns.
+
+Offload modes (``optim.offload``; ``optim.impl`` must be "native" or "reference", the CPU AdamW):
+
+- ``none``: the optimizer state lives with the parameters. The CPU AdamW needs CPU parameters,
+  so on CUDA it is a config error that points to "state" or "full".
+- ``state``: optimizer state on the CPU. Under FSDP2 (torchrun), ``CPUOffloadPolicy`` keeps the
+  sharded parameters, their gradients and the state in (pinned, on CUDA) host memory; the CPU
+  AdamW updates them there and FSDP2 copies parameters to the accelerator for compute. In a
+  single CPU process everything already is on the CPU, so it equals ``none``.
+- ``full``: ``state`` plus compute parameters in ``optim.offload_dtype``. Under FSDP2 the float32
+  sharded CPU parameters are the master weights, and ``MixedPrecisionPolicy(param_dtype,
+  reduce_dtype=float32)`` casts them for compute. In a single CPU process the model's parameters
+  are cast to ``offload_dtype`` and the CPU AdamW keeps float32 masters. Parameters whose names
+  contain a ``optim.keep_fp32`` substring (e.g. MoE routers, "mlp.gate") stay float32: under
+  FSDP2 their modules are FSDP units of their own with a float32 policy, sharded before their
+  decoder layer.
+A single process on CUDA cannot offload (there is no FSDP2 to move parameters): launch it with
+torchrun, one rank is fine. On CUDA with offload each rank is bound to its GPU's NUMA node.
+
+Checkpoints and switching modes. Every checkpoint holds float32 weights and float32 moments, in
+the same keys, whatever the offload mode it was written with:
+
+- Under FSDP2 the sharded parameters are float32 in every mode, so this holds by construction.
+- In a single process with ``full``, `apply_compute_dtype_` makes the model's state dict report
+  the float32 masters instead of the low-precision parameters, and drops ``master`` from the
+  optimizer's, so the master, the source of truth, is what is saved.
+- Loading happens before the cast (`apply_compute_dtype_` runs after any checkpoint load), into
+  float32 parameters, and the cast then primes the masters from those float32 weights.
+So a run saved with offload resumes without it and the other way round, bit for bit in the
+weights: full -> none restores the float32 weights from the masters; none -> full primes the
+masters from the float32 weights. Independently of DCP, `CPUAdamW.load_state_dict` copies a
+saved ``master`` into a float32 parameter, for the same reason.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig, OptimConfig
+from fnt.optim.adamw import CPUAdamW
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What the model loader and the state builder do for the offload settings."""
+
+    offload_policy: Any = None
+    """FSDP2 ``CPUOffloadPolicy`` for every unit, or None."""
+    mp_policy: Any = None
+    """FSDP2 ``MixedPrecisionPolicy`` for every unit but the keep_fp32 ones, or None."""
+    compute_dtype: Optional[torch.dtype] = None
+    """Dtype of the compute parameters under full offload; None keeps the model's dtype."""
+    cast_params: bool = False
+    """A single process casts the model's parameters to compute_dtype (full offload, no FSDP2)."""
+    keep_fp32: tuple[str, ...] = ()
+    """Parameter name substrings that stay float32 when compute_dtype is lower."""
+    bind_numa: bool = False
+    """Bind each rank to its GPU's NUMA node (CUDA with offload)."""
+
+
+NO_OFFLOAD = OffloadPlan()
+
+
+def offload_plan(optim_config: OptimConfig, device: torch.device, distributed: bool) -> OffloadPlan:
+    """The plan for ``optim.offload`` and ``optim.impl`` on ``device``; raises ConfigError for
+    combinations that cannot work. Pure."""
+    mode, impl = optim_config.offload, optim_config.impl
+    cuda = device.type == "cuda"
+    if mode != "none" and impl == "torch":
+        raise ConfigError(
+            f"'optim.offload' = {mode!r} needs the CPU AdamW, but 'optim.impl' = \"torch\": "
+            'set optim.impl to "native" (or "reference"), or optim.offload to "none"'
+        )
+    if mode == "none":
+        if impl != "torch" and cuda:
+            raise ConfigError(
+                f"'optim.impl' = {impl!r} updates parameters on the CPU, but with "
+                '\'optim.offload\' = "none" they are on cuda: set optim.offload to "state" or '
+                '"full" (under torchrun), or optim.impl to "torch"'
+            )
+        return NO_OFFLOAD
+    if cuda and not distributed:
+        raise ConfigError(
+            f"'optim.offload' = {mode!r} on cuda needs FSDP2 to move parameters between host "
+            "and device: launch with torchrun (--nproc-per-node 1 is fine)"
+        )
+    compute = getattr(torch, optim_config.offload_dtype) if mode == "full" else None
+    if not distributed:
+        # One CPU process: parameters, gradients and state are on the CPU already.
+        return OffloadPlan(
+            compute_dtype=compute,
+            cast_params=compute not in (None, torch.float32),
+            keep_fp32=optim_config.keep_fp32,
+        )
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    return OffloadPlan(
+        offload_policy=CPUOffloadPolicy(pin_memory=cuda),
+        mp_policy=(
+            None
+            if compute is None
+            else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        ),
+        compute_dtype=compute,
+        keep_fp32=optim_config.keep_fp32,
+        bind_numa=cuda,
+    )
+
+
+def fp32_module_names(param_names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """Modules that stay float32: the owners of the parameters whose names contain a keep_fp32
+    substring, in parameter order ("" is the root). Pure."""
+    matches = (name for name in param_names if any(pattern in name for pattern in patterns))
+    return list(dict.fromkeys(name.rpartition(".")[0] for name in matches))
 
 
 def setup_optimizer(
     optim_config: OptimConfig, model: nn.Module, parallel_dims: Any, model_config: ModelConfig
 ) -> torch.optim.Optimizer:
-    """AdamW or SGD over the model's trainable parameters."""
-    if optim_config.offload != "none":
-        raise ConfigError(
-            f"'optim.offload' = {optim_config.offload!r} is not implemented yet; use \"none\""
-        )
+    """AdamW (torch's or the CPU one) or SGD over the model's trainable parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if optim_config.name == "sgd":
         if optim_config.impl != "torch":
@@ -34,16 +143,80 @@ def setup_optimizer(
             momentum=optim_config.momentum,
             weight_decay=optim_config.weight_decay,
         )
-    if optim_config.impl != "torch":
-        raise ConfigError(
-            f"'optim.impl' = {optim_config.impl!r} is not implemented yet; use \"torch\""
-        )
-    return torch.optim.AdamW(
-        params,
+    hyper = dict(
         lr=optim_config.lr,
         betas=optim_config.betas,
         eps=optim_config.eps,
         weight_decay=optim_config.weight_decay,
+    )
+    if optim_config.impl == "torch":
+        return torch.optim.AdamW(params, **hyper)
+    devices = sorted({p.device.type for p in params} - {"cpu"})
+    if devices:
+        raise ConfigError(
+            f"'optim.impl' = {optim_config.impl!r} updates parameters on the CPU, but some are "
+            f'on {", ".join(devices)}: set optim.offload to "state" or "full" (under torchrun)'
+        )
+    return CPUAdamW(params, impl=optim_config.impl, **hyper)
+
+
+def apply_compute_dtype_(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plan: OffloadPlan
+) -> None:
+    """Single-process full offload: cast float32 parameters to the compute dtype, after priming
+    the CPU AdamW's masters with their float32 values. Call after any checkpoint load.
+
+    Modules owning a keep_fp32 parameter stay float32 and cast floating inputs to float32, as
+    their FSDP2 units do under torchrun. From here on the model's state dict reports the masters
+    as its weights and the optimizer's omits ``master``, so checkpoints hold float32 weights
+    (see the module docstring). No-op unless ``plan.cast_params``.
+    """
+    if not plan.cast_params:
+        return
+    fp32_modules = fp32_module_names([n for n, _ in model.named_parameters()], plan.keep_fp32)
+    masters: dict[nn.Parameter, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if p.dtype != torch.float32 or name.rpartition(".")[0] in fp32_modules:
+            continue
+        master = p.detach().clone()
+        # Rounds to nearest even, as the CPU AdamW rounds a master into its param after a step.
+        p.data = p.data.to(plan.compute_dtype)
+        optimizer.state[p]["master"] = master
+        masters[p] = master
+    for module_name in fp32_modules:
+        model.get_submodule(module_name).register_forward_pre_hook(_float32_inputs)
+
+    saved_names = {
+        name: masters[p]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if p in masters
+    }
+
+    def report_masters(module, state_dict, prefix, local_metadata):
+        for name, master in saved_names.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = master
+
+    index = {
+        p: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])
+    }
+    cast_ids = {index[p] for p in masters if p in index}
+
+    def drop_masters(opt, state_dict):
+        # The packed entries are the live state dicts: replace them, never mutate them.
+        state_dict["state"] = {
+            i: {k: v for k, v in st.items() if not (i in cast_ids and k == "master")}
+            for i, st in state_dict["state"].items()
+        }
+        return state_dict
+
+    model.register_state_dict_post_hook(report_masters)
+    optimizer.register_state_dict_post_hook(drop_masters)
+
+
+def _float32_inputs(module: nn.Module, args: tuple) -> tuple:
+    return tuple(
+        a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
     )
 
 
