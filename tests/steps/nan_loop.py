@@ -1,13 +1,15 @@
 """A research-style loop on the library API that poisons one micro-batch with NaN logits.
 
-Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. Prints one JSON line
-per rank with what the test checks.
+Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. Each rank writes what
+the test checks to OUT_DIR/rank{N}.json (a file per rank, since lines that two ranks print to one
+stdout can interleave).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -29,7 +31,7 @@ def poison_first_call_(model, enabled: bool) -> None:
     model.lm_head.register_forward_hook(hook)
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, out_dir: str) -> None:
     config = Config(
         model=ModelConfig(name=model_dir), max_steps=2, batch_size=4, micro_batch_size=1, seq_len=32
     )
@@ -53,9 +55,10 @@ def main(model_dir: str) -> None:
         bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
         for p in state.handles.model.parameters()
     )
-    print(json.dumps({"rank": runtime.rank, "rows": rows, "weights_finite": finite}), flush=True)
+    result = {"rank": runtime.rank, "rows": rows, "weights_finite": finite}
+    (Path(out_dir) / f"rank{runtime.rank}.json").write_text(json.dumps(result))
     teardown_trainer(runtime)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -39,7 +39,7 @@ def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
     assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
 
 
-def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir):
+def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir, tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
@@ -50,6 +50,7 @@ def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir):
             "2",
             str(HERE / "nan_loop.py"),
             str(tiny_model_dir),
+            str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -58,7 +59,7 @@ def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir):
         env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
         assert r["weights_finite"]
