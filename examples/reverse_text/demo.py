@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,22 +21,48 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def run(*args: str) -> str:
+def script_env() -> dict[str, str]:
+    """The environment of the scripts: one OpenMP thread unless OMP_NUM_THREADS says otherwise.
+
+    The trainer takes runtime.num_threads from the configs; this is for the other scripts. The
+    models are tiny, and on a 2-core machine shared with other processes two threads stall each
+    other (the eval took 75 s instead of 8 s).
+    """
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def run(*args: str) -> None:
     """Run a repository script with this interpreter; its output streams to the console."""
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, text=True, check=True)
-    print(proc.stdout, end="", flush=True)
-    return proc.stdout
+    subprocess.run([sys.executable, *args], cwd=REPO, env=script_env(), check=True)
 
 
 def evaluate(model: Path, data: Path) -> float:
-    out = run(str(HERE / "eval.py"), "--model", str(model), "--data", str(data / "heldout.jsonl"))
-    return json.loads(out.strip().splitlines()[-1])["similarity"]
+    """Mean held-out similarity of `model`, as eval.py's last line reports it."""
+    args = [str(HERE / "eval.py"), "--model", str(model), "--data", str(data / "heldout.jsonl")]
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    print(proc.stdout, end="", flush=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["similarity"]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=Path, default=REPO / "runs", help="where models, data and runs go")
+    p.add_argument(
+        "--runs", type=Path, default=REPO / "runs", help="where models, data and runs go"
+    )
     p.add_argument("--skip-rl", action="store_true", help="stop after SFT")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial weights, the data and the SFT and RL runs",
+    )
     args = p.parse_args(argv)
     runs = args.runs.resolve()
     model, data = runs / "reverse-model", runs / "reverse-data"
@@ -44,28 +71,75 @@ def main(argv: list[str] | None = None) -> None:
     for stale in (sft_dir, sft_hf, rl_dir, rl_hf):  # a rerun starts over
         shutil.rmtree(stale, ignore_errors=True)
     started = time.time()
+    seconds: dict[str, float] = {}  # wall time of each stage: its run, export and eval
 
-    run("scripts/make_tiny_model.py", "--out", str(model), "--hidden-size", "128",
-        "--intermediate-size", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2")
-    run(str(HERE / "make_data.py"), "--out", str(data))
+    seed = ("--seed", str(args.seed))
+    run(
+        "scripts/make_tiny_model.py",
+        "--out",
+        str(model),
+        "--hidden-size",
+        "128",
+        "--intermediate-size",
+        "256",
+        "--layers",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        *seed,
+    )
+    run(str(HERE / "make_data.py"), "--out", str(data), *seed)
     result = {"sft_before": evaluate(model, data)}
+    seconds["setup"] = time.time() - started
 
-    run("scripts/sft.py", "--config", str(HERE / "sft.toml"), "--model.name", str(model),
-        "--output-dir", str(sft_dir), "--data.sources", json.dumps([{"path": str(data / "sft.jsonl")}]))
+    sources = json.dumps([{"path": str(data / "sft.jsonl")}])
+    run(
+        "scripts/sft.py",
+        "--config",
+        str(HERE / "sft.toml"),
+        "--model.name",
+        str(model),
+        "--output-dir",
+        str(sft_dir),
+        "--data.sources",
+        sources,
+        *seed,
+    )
     sft_steps = json.loads((sft_dir / "config.json").read_text())["max_steps"]
-    run("scripts/export_hf.py", "--checkpoint", str(sft_dir / "checkpoints" / f"step_{sft_steps}"),
-        "--out", str(sft_hf))
+    run(
+        "scripts/export_hf.py",
+        "--checkpoint",
+        str(sft_dir / "checkpoints" / f"step_{sft_steps}"),
+        "--out",
+        str(sft_hf),
+    )
     result["sft_after"] = evaluate(sft_hf, data)
+    seconds["sft"] = time.time() - started - sum(seconds.values())
 
     if not args.skip_rl:
-        run("scripts/rl.py", "--config", str(HERE / "rl.toml"), "--model.name", str(sft_hf),
-            "--output-dir", str(rl_dir), "--rollout.prompts", str(data / "rl.jsonl"))
+        run(
+            "scripts/rl.py",
+            "--config",
+            str(HERE / "rl.toml"),
+            "--model.name",
+            str(sft_hf),
+            "--output-dir",
+            str(rl_dir),
+            "--rollout.prompts",
+            str(data / "rl.jsonl"),
+            *seed,
+        )
         rl_steps = json.loads((rl_dir / "config.json").read_text())["max_steps"]
-        run("scripts/export_hf.py", "--checkpoint", str(rl_dir / "checkpoints" / f"step_{rl_steps}"),
-            "--out", str(rl_hf))
+        checkpoint = rl_dir / "checkpoints" / f"step_{rl_steps}"
+        run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(rl_hf))
         result["rl_after"] = evaluate(rl_hf, data)
+        seconds["rl"] = time.time() - started - sum(seconds.values())
 
     print(f"demo took {time.time() - started:.0f} s", flush=True)
+    # Wall seconds per stage (setup: model, data, base eval; sft and rl: run, export, eval).
+    print("stage seconds: " + json.dumps({k: round(v, 1) for k, v in seconds.items()}), flush=True)
     print(json.dumps(result), flush=True)
 
 
