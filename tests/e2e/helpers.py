@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from fnt.monitors import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -34,3 +40,34 @@ def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, ch
 def config_args(config: str, model_dir, out, *extra: str) -> tuple[str, ...]:
     """`--config CONFIG --model.name MODEL --output-dir OUT` plus extra arguments."""
     return ("--config", config, "--model.name", str(model_dir), "--output-dir", str(out), *extra)
+
+
+def model_weights(ckpt_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP checkpoint, converted through a torch.save file in tmp_path."""
+    target = tmp_path / f"{ckpt_dir.parent.parent.name}_{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir, target)
+    return torch.load(target, weights_only=False)["model"]
+
+
+def copy_crashed_run(full: Path, crashed: Path, step: int) -> None:
+    """Make `crashed` look like `full` crashed after its checkpoint at `step`: that checkpoint,
+    and the metrics rows written beyond it, which resume must trim."""
+    shutil.copytree(full / "checkpoints" / f"step_{step}", crashed / "checkpoints" / f"step_{step}")
+    shutil.copy(full / "metrics.jsonl", crashed / "metrics.jsonl")
+
+
+def assert_resumed_run_matches(
+    full: Path, resumed: Path, resumed_at: int, last: int, keys, tmp_path: Path
+) -> None:
+    """`resumed` (resumed at step `resumed_at`) logged one row per step 1..last, rows after the
+    resume equal `full`'s in `keys`, and both final checkpoints hold the same weights."""
+    rows_full, rows_resumed = read_metrics(full), read_metrics(resumed)
+    assert [r["step"] for r in rows_resumed] == list(range(1, last + 1))
+    for a, b in zip(rows_full[resumed_at:], rows_resumed[resumed_at:]):
+        for key in keys:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    w_full = model_weights(full / "checkpoints" / f"step_{last}", tmp_path)
+    w_resumed = model_weights(resumed / "checkpoints" / f"step_{last}", tmp_path)
+    assert w_full.keys() == w_resumed.keys()
+    for name in w_full:
+        assert torch.equal(w_full[name], w_resumed[name]), name

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fnt.checkpoint import FAULT_ENV
 from fnt.monitors import read_metrics
 from fnt.resume import resolve_resume_step
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import (
+    REPO,
+    assert_resumed_run_matches,
+    config_args,
+    copy_crashed_run,
+    run_script,
+)
 
 N, K = 6, 3
 EXACT_KEYS = (
@@ -31,13 +34,6 @@ def args(model_dir, out, *extra):
     return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
 
 
-def model_weights(ckpt_dir, tmp_path) -> dict[str, torch.Tensor]:
-    target = tmp_path / f"{ckpt_dir.parent.parent.name}_{ckpt_dir.name}.pt"
-    dcp_to_torch_save(ckpt_dir, target)
-    state = torch.load(target, weights_only=False)
-    return state["model"]
-
-
 @pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
 def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     full = tmp_path / "full"
@@ -45,20 +41,9 @@ def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
 
     # A crashed run: its checkpoint at K, and metrics rows it had written beyond K.
     resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoints" / f"step_{K}", resumed / "checkpoints" / f"step_{K}")
-    shutil.copy(full / "metrics.jsonl", resumed / "metrics.jsonl")
+    copy_crashed_run(full, resumed, K)
     run_script("sft.py", *args(tiny_model_dir, resumed, "--resume", "latest"), nproc=nproc)
-
-    rows_full, rows_resumed = read_metrics(full), read_metrics(resumed)
-    assert [r["step"] for r in rows_resumed] == list(range(1, N + 1))
-    for a, b in zip(rows_full[K:], rows_resumed[K:]):
-        for key in EXACT_KEYS:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    w_full = model_weights(full / "checkpoints" / f"step_{N}", tmp_path)
-    w_resumed = model_weights(resumed / "checkpoints" / f"step_{N}", tmp_path)
-    assert w_full.keys() == w_resumed.keys()
-    for name in w_full:
-        assert torch.equal(w_full[name], w_resumed[name]), name
+    assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
 @pytest.mark.parametrize("phase", ["shards", "marker"])

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
-
-import torch
-
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import config_args, run_script
-from tests.e2e.test_resume import model_weights
+from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_script
 
 RL_KEYS = {
     "loss/mean",
@@ -48,14 +43,6 @@ def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_di
     assert any(r["optim/grad_norm"] > 0 for r in rows)
 
     resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
+    copy_crashed_run(full, resumed, 2)
     run_script("rl.py", *rl_args(tiny_model_dir, resumed, "--resume", "latest"))
-    rows_resumed = read_metrics(resumed)
-    assert [r["step"] for r in rows_resumed] == [3, 4]
-    for a, b in zip(rows[2:], rows_resumed):
-        for key in EXACT:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    w_full = model_weights(full / "checkpoints" / "step_4", tmp_path)
-    w_resumed = model_weights(resumed / "checkpoints" / "step_4", tmp_path)
-    for name in w_full:
-        assert torch.equal(w_full[name], w_resumed[name]), name
+    assert_resumed_run_matches(full, resumed, 2, 4, EXACT, tmp_path)

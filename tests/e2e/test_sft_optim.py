@@ -6,11 +6,10 @@ import math
 import shutil
 
 import pytest
-import torch
 
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import config_args, run_script
-from tests.e2e.test_resume import EXACT_KEYS, model_weights
+from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_script
+from tests.e2e.test_resume import EXACT_KEYS
 
 N, K = 6, 3
 
@@ -43,20 +42,9 @@ def native_run(tiny_model_dir, tmp_path_factory):
 def test_native_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, native_run):
     full = native_run
     resumed = tmp_path / "resumed"
-    shutil.copytree(full / "checkpoints" / f"step_{K}", resumed / "checkpoints" / f"step_{K}")
-    shutil.copy(full / "metrics.jsonl", resumed / "metrics.jsonl")
+    copy_crashed_run(full, resumed, K)
     run_script("sft.py", *args(tiny_model_dir, resumed, "--resume", "latest", *NATIVE))
-
-    rows_full, rows_resumed = read_metrics(full), read_metrics(resumed)
-    assert [r["step"] for r in rows_resumed] == list(range(1, N + 1))
-    for a, b in zip(rows_full[K:], rows_resumed[K:]):
-        for key in EXACT_KEYS:
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    w_full = model_weights(full / "checkpoints" / f"step_{N}", tmp_path)
-    w_resumed = model_weights(resumed / "checkpoints" / f"step_{N}", tmp_path)
-    assert w_full.keys() == w_resumed.keys()
-    for name in w_full:
-        assert torch.equal(w_full[name], w_resumed[name]), name
+    assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
 def test_two_ranks_offload_full_then_state_match_one_rank(tiny_model_dir, tmp_path, native_run):
