@@ -18,9 +18,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, check: bool = True):
-    """Run scripts/{script} with args; under torchrun --standalone when nproc > 0."""
+    """Run scripts/{script} (or `script` itself when it is an absolute path, such as a test's own
+    loop) with args; under torchrun --standalone when nproc > 0. The repository is on PYTHONPATH
+    so that such loops can import the tests' helpers."""
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [*launcher, str(REPO / "scripts" / script), *args],
         cwd=REPO,

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from fnt.synthetic import synthetic_rows
 from steps.sft import sft_step
+from tests.e2e.helpers import run_script
 from tests.steps.test_sft import batch_of, make_state
 
 HERE = Path(__file__).resolve().parent
@@ -40,25 +38,7 @@ def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
 
 
 def test_nan_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(HERE / "nan_loop.py"),
-            str(tiny_model_dir),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=HERE.parents[1],
-        env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script(str(HERE / "nan_loop.py"), str(tiny_model_dir), str(tmp_path), nproc=2, timeout=180)
     results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.e2e.helpers import run_script
 
 from .two_ranks import two_batches
 
@@ -36,30 +35,8 @@ def documents(batch):
 
 
 def test_two_ranks_sample_what_one_process_samples(policy_dir, prompts_file, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(Path(__file__).with_name("two_ranks.py")),
-            str(policy_dir),
-            str(prompts_file),
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"torchrun exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    script = str(Path(__file__).with_name("two_ranks.py"))
+    run_script(script, str(policy_dir), str(prompts_file), str(tmp_path), nproc=2, timeout=240)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     _, single = two_batches(str(policy_dir), str(prompts_file))
     for step in range(2):
