@@ -33,6 +33,26 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     return t
 
 
+def micro_batches_to_run(
+    micro_batches, rows_of: Callable[[Any], PackedRows], runtime: Runtime
+) -> int:
+    """How many leading micro-batches a step runs: through the last one with a loss token on
+    any rank, and at least one.
+
+    Packing fills rows in order, so the all-padding rows a step's share leaves over sit at the
+    end (RL configs size batch_size for the longest possible samples). Their loss and gradients
+    are exactly zero, so skipping them changes no result and saves their forward and backward. Under FSDP2
+    every rank must run the same number of forward/backward passes, hence the maximum over ranks.
+    """
+    has_loss = [bool(rows_of(mb).loss_mask[:, 1:].any()) for mb in micro_batches]
+    count = max((i + 1 for i, loss in enumerate(has_loss) if loss), default=1)
+    if runtime.distributed:
+        count_t = torch.tensor([count], dtype=torch.int64, device=runtime.device)
+        dist.all_reduce(count_t, op=dist.ReduceOp.MAX)
+        count = int(count_t.item())
+    return count
+
+
 def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
     """The block-causal mask in the form the model's attention kernel honours.
 
@@ -99,7 +119,9 @@ def accumulate_gradients_(
     """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
 
     `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
-    rows. A micro-batch whose loss is NaN/inf is left out of the loss and counted. In a single
+    rows. Trailing micro-batches without a loss token on every rank are not run (see
+    `micro_batches_to_run`). A micro-batch whose loss is NaN/inf is left out of the loss and
+    counted. In a single
     process its backward is skipped. Under FSDP2 every rank must run the same backward
     collectives, so it back-propagates an all-zero surrogate instead; should non-finite values
     still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
@@ -125,7 +147,7 @@ def accumulate_gradients_(
     nan_count = torch.zeros((), dtype=torch.float32, device=device)
     sums: dict[str, Tensor] = {}
     moe_stats = None
-    for mb in batch.micro_batches:
+    for mb in batch.micro_batches[: micro_batches_to_run(batch.micro_batches, rows_of, runtime)]:
         mb = to_device(mb, device)
         with record_router_logits(model) as router_logits:
             logits = packed_logits(model, rows_of(mb))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +24,26 @@ def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, ch
     so that such loops can import the tests' helpers."""
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    # A session of its own, so that a hung run's torchrun workers die with it on timeout.
+    with subprocess.Popen(
         [*launcher, str(REPO / "scripts" / script), *args],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-    )
+        start_new_session=True,
+    ) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
+            raise AssertionError(
+                f"{script} {' '.join(args)} ran past {timeout} s and was killed\n--- stdout\n"
+                f"{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script} {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

@@ -1,12 +1,14 @@
-"""A research-style loop on the library API that poisons one micro-batch with NaN logits.
+"""A research-style loop on the library API with odd micro-batches on one rank.
 
-Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. Each rank writes what
-the test checks to OUT_DIR/rank{N}.json (a file per rank, since lines that two ranks print to one
-stdout can interleave).
+Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. At step 2 rank 1's
+last micro-batch has no loss tokens: rank 1 must still run it, since rank 0 runs two. Each rank
+writes what the test checks to OUT_DIR/rank{N}.json (a file per rank, since lines that two ranks
+print to one stdout can interleave).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,15 +22,23 @@ from fnt.synthetic import synthetic_batches
 from steps.sft import sft_step
 
 
-def poison_first_call_(model, enabled: bool) -> None:
-    calls = {"n": 0}
+def poison_first_call_(model, enabled: bool) -> list[int]:
+    """Hook the lm head; returns the list its calls are counted into."""
+    calls = [0]
 
     def hook(module, inputs, output):
-        calls["n"] += 1
+        calls[0] += 1
         # Adding a constant NaN keeps the gradient path finite (d out / d logits = 1).
-        return output + float("nan") if enabled and calls["n"] == 1 else output
+        return output + float("nan") if enabled and calls[0] == 1 else output
 
     model.lm_head.register_forward_hook(hook)
+    return calls
+
+
+def without_loss_at_the_end(batch):
+    rows = batch.micro_batches[-1]
+    empty = dataclasses.replace(rows, loss_mask=torch.zeros_like(rows.loss_mask))
+    return dataclasses.replace(batch, micro_batches=(*batch.micro_batches[:-1], empty))
 
 
 def main(model_dir: str, out_dir: str) -> None:
@@ -37,7 +47,7 @@ def main(model_dir: str, out_dir: str) -> None:
     )
     runtime = setup_trainer(config)
     state, _ = build_state(config, runtime)
-    poison_first_call_(state.handles.model, enabled=runtime.rank == 0)
+    forwards = poison_first_call_(state.handles.model, enabled=runtime.rank == 0)
     batches = synthetic_batches(
         seed=0,
         start_step=0,
@@ -48,14 +58,17 @@ def main(model_dir: str, out_dir: str) -> None:
         dp_rank=runtime.dp_rank,
         dp_size=runtime.dims.dp,
     )
+    step1, step2 = next(batches), next(batches)
+    if runtime.rank == 1:
+        step2 = without_loss_at_the_end(step2)
     rows = []
-    for state, metrics in fold(state, [next(batches), next(batches)], sft_step):
+    for state, metrics in fold(state, [step1, step2], sft_step):
         rows.append({k: float(v) for k, v in metrics.items() if k.startswith(("loss/", "optim/"))})
     finite = all(
         bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())
         for p in state.handles.model.parameters()
     )
-    result = {"rank": runtime.rank, "rows": rows, "weights_finite": finite}
+    result = {"rank": runtime.rank, "rows": rows, "weights_finite": finite, "forwards": forwards[0]}
     (Path(out_dir) / f"rank{runtime.rank}.json").write_text(json.dumps(result))
     teardown_trainer(runtime)
 

@@ -69,6 +69,37 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient(tiny_model_dir, 
         torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
 
 
+def without_loss(rows):
+    return dataclasses.replace(rows, loss_mask=torch.zeros_like(rows.loss_mask))
+
+
+@pytest.mark.parametrize("empty", [(1, 2), (2,), (0, 2)], ids=["tail2", "tail1", "head-tail"])
+def test_trailing_micro_batches_without_loss_are_not_run(tiny_model_dir, empty):
+    state = make_state(tiny_model_dir)
+    model, runtime = state.handles.model, state.handles.runtime
+    rows, _ = synthetic_rows(seed=0, step=1, num_rows=6, seq_len=32)
+    micro = [take_rows(rows, i, i + 2) for i in range(0, 6, 2)]
+    micro = [without_loss(mb) if i in empty else mb for i, mb in enumerate(micro)]
+    forwards = []
+    model.lm_head.register_forward_hook(lambda *_: forwards.append(1))
+
+    def grads_for(micro_batches):
+        model.zero_grad(set_to_none=True)
+        batch = SftBatch(tuple(micro_batches), num_samples=4, data_after=DataPosition())
+        totals = accumulate_gradients_(model, batch, runtime, sft_loss)
+        return totals, [p.grad.clone() for p in model.parameters()]
+
+    totals, grads = grads_for(micro)
+    last_with_loss = max(i for i in range(3) if i not in empty)
+    assert len(forwards) == last_with_loss + 1  # an empty micro-batch before it still runs
+    # The same gradients, bit for bit, as the micro-batches with loss tokens alone.
+    ref_totals, ref = grads_for([mb for i, mb in enumerate(micro) if i not in empty])
+    assert totals.loss_tokens == ref_totals.loss_tokens > 0
+    assert totals.tokens == 6 * 32  # the skipped rows still count as processed tokens
+    for g, g_ref in zip(grads, ref):
+        assert torch.equal(g, g_ref)
+
+
 def test_progress_counts_tokens_samples_and_data_position(tiny_model_dir):
     state = make_state(tiny_model_dir)
     rows, docs = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
