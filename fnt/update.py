@@ -41,8 +41,9 @@ def micro_batches_to_run(
 
     Packing fills rows in order, so the all-padding rows a step's share leaves over sit at the
     end (RL configs size batch_size for the longest possible samples). Their loss and gradients
-    are exactly zero, so skipping them changes no result and saves their forward and backward. Under FSDP2
-    every rank must run the same number of forward/backward passes, hence the maximum over ranks.
+    are exactly zero, so skipping them changes no result and saves their forward and backward.
+    Under FSDP2 every rank must run the same number of forward/backward passes, hence the
+    maximum over ranks.
     """
     has_loss = [bool(rows_of(mb).loss_mask[:, 1:].any()) for mb in micro_batches]
     count = max((i + 1 for i, loss in enumerate(has_loss) if loss), default=1)
@@ -119,13 +120,12 @@ def accumulate_gradients_(
     """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
 
     `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
-    rows. Trailing micro-batches without a loss token on every rank are not run (see
+    rows. Trailing micro-batches that have no loss token on any rank are not run (see
     `micro_batches_to_run`). A micro-batch whose loss is NaN/inf is left out of the loss and
-    counted. In a single
-    process its backward is skipped. Under FSDP2 every rank must run the same backward
-    collectives, so it back-propagates an all-zero surrogate instead; should non-finite values
-    still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
-    the update. Checking finiteness costs one host sync per micro-batch.
+    counted. In a single process its backward is skipped. Under FSDP2 every rank must run the
+    same backward collectives, so it back-propagates an all-zero surrogate instead; should
+    non-finite values still reach the gradients, the global grad norm is non-finite and
+    `optimizer_update_` skips the update. Checking finiteness costs one host sync per micro-batch.
     """
     device, distributed = runtime.device, runtime.distributed
     local = torch.tensor(
