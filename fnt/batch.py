@@ -31,9 +31,8 @@ class PackedRows:
 
     input_ids: Tensor  # [B, T] int64
     position_ids: Tensor  # [B, T] int64, restarts at 0 at each document start
-    document_ids: (
-        Tensor  # [B, T] int64, equal within a document, different across documents of a row
-    )
+    # [B, T] int64, equal within a document, different across documents of a row
+    document_ids: Tensor
     loss_mask: Tensor  # [B, T] bool, True where token t is a training target predicted from t-1
 
     def check(self) -> None:

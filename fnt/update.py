@@ -33,9 +33,7 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     return t
 
 
-def micro_batches_to_run(
-    micro_batches, rows_of: Callable[[Any], PackedRows], runtime: Runtime
-) -> int:
+def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int:
     """How many leading micro-batches a step runs: through the last one with a loss token on
     any rank, and at least one.
 
@@ -45,8 +43,7 @@ def micro_batches_to_run(
     Under FSDP2 every rank must run the same number of forward/backward passes, hence the
     maximum over ranks.
     """
-    has_loss = [bool(rows_of(mb).loss_mask[:, 1:].any()) for mb in micro_batches]
-    count = max((i + 1 for i, loss in enumerate(has_loss) if loss), default=1)
+    count = max((i + 1 for i, n in enumerate(loss_tokens_per_mb) if n), default=1)
     if runtime.distributed:
         count_t = torch.tensor([count], dtype=torch.int64, device=runtime.device)
         dist.all_reduce(count_t, op=dist.ReduceOp.MAX)
@@ -128,9 +125,10 @@ def accumulate_gradients_(
     `optimizer_update_` skips the update. Checking finiteness costs one host sync per micro-batch.
     """
     device, distributed = runtime.device, runtime.distributed
+    loss_tokens_per_mb = [int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
     local = torch.tensor(
         [
-            float(sum(int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
+            float(sum(loss_tokens_per_mb)),
             float(batch.num_samples),
             float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
         ],
@@ -147,7 +145,7 @@ def accumulate_gradients_(
     nan_count = torch.zeros((), dtype=torch.float32, device=device)
     sums: dict[str, Tensor] = {}
     moe_stats = None
-    for mb in batch.micro_batches[: micro_batches_to_run(batch.micro_batches, rows_of, runtime)]:
+    for mb in batch.micro_batches[: micro_batches_to_run(loss_tokens_per_mb, runtime)]:
         mb = to_device(mb, device)
         with record_router_logits(model) as router_logits:
             logits = packed_logits(model, rows_of(mb))
