@@ -32,7 +32,7 @@ from fnt.metrics import (
 from fnt.model import load_model
 from fnt.monitors import open_monitors
 from fnt.optim import setup_optimizer
-from fnt.optim.setup import apply_compute_dtype_, offload_plan
+from fnt.optim.setup import apply_compute_dtype_
 from fnt.profiler import save_trace, start_trace
 from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints, resolve_resume_step
 from fnt.setup import Runtime, setup_trainer, teardown_trainer
@@ -69,7 +69,7 @@ def build_state(
     config: Config, runtime: Runtime, extra: Optional[dict] = None
 ) -> tuple[TrainState, Any]:
     """Model, optimizer and Progress, restored from a checkpoint when `config.resume` says so."""
-    plan = offload_plan(config.optim, runtime.device, runtime.distributed)
+    plan = runtime.offload
     model, facts = load_model(config.model, runtime, plan)
     optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
     resume_step = resolve_resume_step(config.resume, ckpt_root(config))

@@ -7,7 +7,9 @@ process group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from fnt.config import Config, ConfigError, ParallelConfig
 from fnt.optim.offload import bind_numa_
-from fnt.optim.setup import offload_plan
+from fnt.optim.setup import OffloadPlan, offload_plan
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class Runtime:
     mesh: Any
     """The data-parallel DeviceMesh (dp_replicate, dp_shard), or None in a single process."""
     num_threads: int
+    offload: OffloadPlan
+    """How the model and optimizer state are offloaded (fnt.optim.setup.offload_plan)."""
 
     @property
     def dp_rank(self) -> int:
@@ -167,16 +171,20 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
     # threads and the pinned host buffers sit next to the GPU; the default thread count is then
     # a share of that node. An explicit runtime.num_threads always wins.
     plan = offload_plan(config.optim, device, launched)
-    if plan.bind_numa:
-        auto_threads = bind_numa_(local_rank, local_world_size)
-    else:
-        auto_threads = threads_per_rank(len(os.sched_getaffinity(0)), local_world_size)
+    sharing = bind_numa_(local_rank, local_world_size) if plan.bind_numa else local_world_size
+    auto_threads = threads_per_rank(len(os.sched_getaffinity(0)), sharing)
     num_threads = config.runtime.num_threads or auto_threads
     torch.set_num_threads(num_threads)
     torch.set_float32_matmul_precision(config.runtime.matmul_precision)
 
     mesh = None
     if launched:
+        # Free unreachable objects while the interpreter is still whole: FSDP2 modules form
+        # reference cycles, so a model dropped at the end of main() is only collected during
+        # interpreter shutdown, where destroying the gloo work objects it still references
+        # aborts the process ("terminate called without an active exception") about one run
+        # in ten. atexit handlers run before that shutdown.
+        atexit.register(gc.collect)
         if not dist.is_initialized():
             # On CUDA, gloo serves the collectives over CPU tensors (e.g. the gradient norm of
             # CPU-offloaded shards); nccl serves everything on the GPU.
@@ -202,6 +210,7 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
         dims=dims,
         mesh=mesh,
         num_threads=num_threads,
+        offload=plan,
     )
 
 

@@ -172,16 +172,13 @@ class CPUAdamW(torch.optim.Optimizer):
             if "exp_avg" not in st:  # fresh, or holding only a primed master
                 _init_state_(p, st)
             m, v, master = st["exp_avg"], st["exp_avg_sq"], st.get("master")
-            if isinstance(p, DTensor):
-                # The kernel works on this rank's shard; under no_grad to_local() is an
-                # attribute read, and the state DTensors share the param's sharding.
-                p, g, m, v = p.to_local(), g.to_local(), m.to_local(), v.to_local()
-                master = None if master is None else master.to_local()
-            params.append(p)
-            grads.append(g)
-            exp_avgs.append(m)
-            exp_avg_sqs.append(v)
-            masters.append(master)
+            # The kernel works on this rank's shard; under no_grad to_local() is an attribute
+            # read, and the state DTensors share the param's sharding.
+            params.append(_local(p))
+            grads.append(_local(g))
+            exp_avgs.append(_local(m))
+            exp_avg_sqs.append(_local(v))
+            masters.append(None if master is None else _local(master))
             steps.append(st["step"])
         return params, grads, exp_avgs, exp_avg_sqs, masters, steps
 
@@ -252,13 +249,18 @@ def _check_param(p: torch.Tensor) -> None:
         raise ValueError(f"CPUAdamW: params must be on CPU, got one on {p.device}")
     if p.dtype not in _SUPPORTED:
         raise ValueError(f"CPUAdamW: param dtype must be one of {_SUPPORTED}, got {p.dtype}")
-    local = p.to_local() if isinstance(p, DTensor) else p
+    local = _local(p)
     if not _is_dense(local):
         raise ValueError(
             "CPUAdamW: params must be dense in memory (a view with gaps, such as a slice of a "
             f"larger tensor, cannot be updated in one pass); got strides {local.stride()} for "
             f"shape {tuple(local.shape)}"
         )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _is_dense(t: torch.Tensor) -> bool:

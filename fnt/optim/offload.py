@@ -74,9 +74,9 @@ def pci_bus_id(device_index: int) -> str:
 
 
 def bind_numa_(local_rank: int, local_world_size: int, sysfs: Path = SYSFS) -> int:
-    """Pin this process to its GPU's NUMA node; returns its fair share of those CPUs (the
-    node's CPUs divided among the local ranks on that node), the default thread count."""
+    """Pin this process to its GPU's NUMA node; returns how many local ranks share those CPUs
+    (the ranks whose GPUs sit on that node), which divides them into thread counts."""
     bus_ids = [pci_bus_id(i) for i in range(local_world_size)]
     cpus, sharing = numa_binding(sysfs, bus_ids, local_rank, frozenset(os.sched_getaffinity(0)))
     os.sched_setaffinity(0, cpus)
-    return max(1, len(cpus) // max(1, sharing))
+    return sharing

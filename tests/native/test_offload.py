@@ -131,11 +131,11 @@ def test_bind_numa_pins_the_rank_to_its_gpus_node():
 
     before = os.sched_getaffinity(0)
     try:
-        threads = bind_numa_(0, 1)
+        sharing = bind_numa_(0, 1)
         node = numa_node_of(SYSFS, pci_bus_id(0))
         expected = before if node is None else (node_cpus(SYSFS, node) & before or before)
         assert os.sched_getaffinity(0) == expected
-        assert threads == len(expected)  # one local rank: the whole node is its share
+        assert sharing == 1  # one local rank: the whole node is its share
     finally:
         os.sched_setaffinity(0, before)
 
