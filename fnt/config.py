@@ -28,14 +28,12 @@ from typing import Any, Literal, Union
 
 from dataclasses_json import dataclass_json
 
+from fnt.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A bad key or value; the message names the key, its source and what was expected."""
 
 
 @dataclass_json

@@ -11,10 +11,11 @@ epoch is with weighted sources.
 from fnt.config import source_name
 from fnt.data.chat import conversation_from_record, tokenize_conversation
 from fnt.data.corpus import Corpus, SampleFate, fit_to_length
-from fnt.data.load import DataError, load_corpus
+from fnt.data.load import load_corpus
 from fnt.data.order import SampleOrder, epoch_order, source_quotas
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
 from fnt.data.sft import check_batch_layout, iter_sft_batches, rank_batch, sft_batches
+from fnt.errors import DataError
 
 __all__ = [
     "Corpus",

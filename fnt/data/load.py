@@ -13,10 +13,7 @@ from typing import Iterator, Protocol, Sequence
 from fnt.config import source_name
 from fnt.data.chat import conversation_from_record, tokenize_conversation
 from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
-
-
-class DataError(ValueError):
-    """A data file that cannot be used; the message names the file (and the line)."""
+from fnt.errors import DataError
 
 
 class Source(Protocol):

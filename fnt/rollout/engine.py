@@ -29,8 +29,8 @@ from torch import nn
 
 from fnt.batch import RLBatch
 from fnt.config import ConfigError, ModelConfig, RolloutConfig, validate_rollout
-from fnt.data.load import DataError
 from fnt.data.sft import check_batch_layout
+from fnt.errors import DataError
 from fnt.model import DTYPES
 from fnt.rewards import RewardFn, reward_function
 from fnt.rollout.advantages import group_advantages

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.checkpoint import cleanup_checkpoints_
-from fnt.data import DataError, check_batch_layout
+from fnt.data import check_batch_layout
+from fnt.errors import DataError
 from fnt.resume import COMPLETE_MARKER
 from fnt.rollout.generate import Completion
 from fnt.rollout.pack import RolloutSample, pack_rollouts

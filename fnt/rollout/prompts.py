@@ -22,8 +22,8 @@ from typing import Any
 
 from fnt.batch import DataPosition
 from fnt.data.chat import check_message_list
-from fnt.data.load import DataError
 from fnt.data.order import SampleOrder
+from fnt.errors import DataError
 
 
 @dataclass(frozen=True)

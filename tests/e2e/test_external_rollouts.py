@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.data import DataError
+from fnt.errors import DataError
 from fnt.monitors import read_metrics
 from fnt.rollout.external import parse_sample, rank_samples
 from tests.e2e.helpers import REPO, config_args, run_script

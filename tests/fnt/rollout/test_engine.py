@@ -10,7 +10,7 @@ import torch
 
 from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
-from fnt.data.load import DataError
+from fnt.errors import DataError
 from fnt.rewards import similarity
 from fnt.rollout import (
     Completion,

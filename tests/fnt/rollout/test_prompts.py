@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.batch import DataPosition
-from fnt.data.load import DataError
+from fnt.errors import DataError
 from fnt.rollout import (
     load_prompts,
     prompt_messages,
