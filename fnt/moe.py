@@ -1,5 +1,8 @@
-"""Load-balance statistics of mixture-of-experts routers. Pure tensor math, except
-`record_router_logits`, which registers (and removes) forward hooks on the routers.
+"""Mixture-of-experts: the model's expert counts and the load-balance statistics of its routers.
+
+Pure: `num_experts_of` and `moe_top_k` (read the Hugging Face config), `router_stats` and
+`moe_metrics` (tensor math), `routers`. `record_router_logits` registers (and removes) forward
+hooks on the routers.
 
 For every MoE layer, the router picks the top-k experts of each token. Over one optimizer step
 (all micro-batches, all ranks):
@@ -19,10 +22,27 @@ capacity too.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+
+
+def num_experts_of(model_config: Any) -> Optional[int]:
+    """The number of routed experts of a Hugging Face config, or None for a dense model."""
+    for attr in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(model_config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def moe_top_k(model: nn.Module) -> int:
+    """Experts chosen per token by the model's routers; 0 for a dense model."""
+    config = model.config
+    if num_experts_of(config) is None:
+        return 0
+    return int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
 
 
 def router_stats(router_logits: Sequence[Tensor], top_k: int) -> Tensor:

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fnt.batch import PackedRows, block_causal_mask, to_device
-from fnt.moe import moe_metrics, record_router_logits, router_stats
+from fnt.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
 from fnt.optim import set_lr_
 from fnt.schedule import lr_at
-from fnt.setup import Runtime, num_experts_of
+from fnt.setup import Runtime
 
 # (logits [B, T, V], micro-batch on the device) -> (sum of the per-token loss over loss tokens,
 # extra metric sums). The loss sum must be a differentiable scalar; the sums are detached scalars.
@@ -74,14 +74,6 @@ def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
         attention_mask=attention_mask_for(model, rows),
         use_cache=False,
     ).logits
-
-
-def moe_top_k(model: nn.Module) -> int:
-    """Experts chosen per token by the model's routers; 0 for a dense model."""
-    config = model.config
-    if num_experts_of(config) is None:
-        return 0
-    return int(getattr(config, "num_experts_per_tok", 0) or getattr(config, "top_k", 0))
 
 
 @dataclass(frozen=True)

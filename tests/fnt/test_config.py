@@ -299,7 +299,10 @@ def test_cli_values_of_union_fields():
 
 @pytest.mark.parametrize("n", [0, 1, 2, 17])
 def test_resume_step_number_means_the_same_on_cli_and_in_toml(tmp_path, n):
-    """`resume = N` names checkpoint step_N (DESIGN.md 5); `--resume N` must not become a bool."""
+    """`resume = N` names checkpoint step_N (docs/design.md, 'Resume').
+
+    `--resume N` must mean the same step, not become a bool.
+    """
     from_toml, _ = load_config(["--config", _write(tmp_path, f"resume = {n}\n")])
     from_cli, _ = load_config(["--resume", str(n)])
     assert from_toml.resume == n and type(from_toml.resume) is int
@@ -471,24 +474,42 @@ def test_missing_and_invalid_config_file(tmp_path):
 @given(
     batch=st.integers(1, 256),
     micro=st.integers(1, 16),
-    world=st.integers(1, 16),
+    shard=st.integers(1, 8),
     replicate=st.sampled_from([None, 1, 2]),
 )
-def test_batch_size_divisible_by_micro_batch_times_dp(batch, micro, world, replicate):
+def test_batch_size_divisible_by_micro_batch_times_dp(batch, micro, shard, replicate):
+    # Only valid plans here (cp = tp = 1), so the data-parallel size is the world size.
+    world = (replicate or 1) * shard
     parallel = (
         ParallelConfig()
         if replicate is None
-        else ParallelConfig(dp_replicate=replicate, dp_shard=max(1, world // replicate))
+        else ParallelConfig(dp_replicate=replicate, dp_shard=shard)
     )
-    dp = world if replicate is None else replicate * max(1, world // replicate)
     config = Config(batch_size=batch, micro_batch_size=micro, parallel=parallel)
-    if batch % (micro * dp) == 0:
+    if batch % (micro * world) == 0:
         validate(config, world)
     else:
         with pytest.raises(ConfigError) as info:
             validate(config, world)
         msg = str(info.value)
-        assert "'batch_size'" in msg and str(micro * dp) in msg
+        assert "'batch_size'" in msg and str(micro * world) in msg
+
+
+@pytest.mark.parametrize(
+    "parallel, world, message",
+    [
+        (ParallelConfig(tp=2), 2, r"'parallel\.tp' = 2: only 1 is implemented"),
+        (ParallelConfig(cp=2, dp_shard=2), 4, r"'parallel\.cp' = 2: only 1 is implemented"),
+        (ParallelConfig(dp_shard=3), 2, r"dp_shard=3 .* but the world size is 2"),
+        (ParallelConfig(dp_replicate=3), 2, r"world size 2 is not divisible"),
+        (ParallelConfig(dp_replicate=0), 1, r"'parallel\.dp_replicate' = 0"),
+        (ParallelConfig(dp_shard=0), 1, r"'parallel\.dp_shard' = 0"),
+    ],
+)
+def test_validate_rejects_a_bad_parallel_plan(parallel, world, message):
+    """The same rules and messages as at setup (fnt.parallel), before any model is loaded."""
+    with pytest.raises(ConfigError, match=message):
+        validate(Config(batch_size=16, micro_batch_size=1, parallel=parallel), world)
 
 
 @SETTINGS
@@ -587,6 +608,12 @@ def test_script_invalid_value_exits_2():
     result = _script("--batch-size", "6", "--micro-batch-size", "4")
     assert result.returncode == 2
     assert "batch_size" in result.stderr
+
+
+def test_script_bad_parallel_plan_exits_2():
+    result = _script("--parallel.dp-shard", "2")
+    assert result.returncode == 2
+    assert "dp_shard=2" in result.stderr and "world size is 1" in result.stderr
 
 
 def test_script_print_config_exits_0_with_parseable_json(tmp_path):

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import ConfigError, ParallelConfig
-from fnt.setup import ParallelDims, num_experts_of, plan_parallel_dims, resolve_ep, threads_per_rank
+from fnt.moe import num_experts_of
+from fnt.parallel import ParallelDims, plan_parallel_dims, resolve_ep
+from fnt.setup import threads_per_rank
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

@@ -1,0 +1,71 @@
+"""Configuration: the frozen dataclasses, loading from TOML and the command line, validation.
+
+- `fnt.config.schema`: the dataclasses, their introspection (help, README table), JSON. Pure.
+- `fnt.config.loading`: defaults < TOML file < command line, and JSON back into a config.
+- `fnt.config.validation`: cross-field rules, the parallel plan included. Pure.
+
+Nothing here imports torch or transformers, so the scripts reject a bad command line within
+about a second.
+"""
+
+from fnt.config.loading import CliArgs, from_json, load_config, split_cli
+from fnt.config.schema import (
+    CkptConfig,
+    Config,
+    DataConfig,
+    DataSourceConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RLConfig,
+    RLLossConfig,
+    RolloutConfig,
+    RuntimeConfig,
+    ScheduleConfig,
+    WandbConfig,
+    all_keys,
+    field_docs,
+    field_types,
+    flatten,
+    help_text,
+    markdown_keys,
+    source_name,
+    to_json,
+    to_plain,
+    type_name,
+)
+from fnt.config.validation import validate, validate_rollout
+from fnt.errors import ConfigError
+
+__all__ = [
+    "CkptConfig",
+    "CliArgs",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DataSourceConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RLConfig",
+    "RLLossConfig",
+    "RolloutConfig",
+    "RuntimeConfig",
+    "ScheduleConfig",
+    "WandbConfig",
+    "all_keys",
+    "field_docs",
+    "field_types",
+    "flatten",
+    "from_json",
+    "help_text",
+    "load_config",
+    "markdown_keys",
+    "source_name",
+    "split_cli",
+    "to_json",
+    "to_plain",
+    "type_name",
+    "validate",
+    "validate_rollout",
+]

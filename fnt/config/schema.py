@@ -1,0 +1,349 @@
+"""Config schema: the frozen dataclasses, their introspection and JSON serialization. Pure.
+
+Each field has a one-line docstring right under it; `field_docs` reads them from this module's
+source for `--help-config` and the README.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal, Union
+
+from dataclasses_json import dataclass_json
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = ""
+    """Local directory of a Hugging Face causal LM, loaded with from_pretrained."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the model's parameters and compute."""
+    ac: bool = False
+    """Activation checkpointing of every decoder layer (recompute activations in backward)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel passed to from_pretrained; both honour the packed-document mask."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer algorithm."""
+    lr: float = 1e-3
+    """Peak learning rate (the schedule scales it per step)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW beta1, beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 measures the norm without clipping."""
+    impl: Literal["torch", "native", "reference"] = "torch"
+    """AdamW implementation: torch's, fnt's native CPU kernel, or its pure-torch reference."""
+    offload: Literal["none", "state", "full"] = "none"
+    """Optimizer state with the parameters, on CPU ("state"), or full offload with CPU masters."""
+    keep_fp32: tuple[str, ...] = ()
+    """Parameter name substrings kept in float32 on the accelerator under full offload."""
+    offload_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the compute parameters under full offload (the CPU masters stay float32)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the learning rate after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps to lr."""
+    min_lr: float = 0.0
+    """Learning rate reached at the last step by linear and cosine decay."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class DataSourceConfig:
+    path: str = ""
+    """Local JSONL file of prompt/completion or messages samples."""
+    weight: float = 1.0
+    """Relative share of this source in the mixture."""
+    name: str = ""
+    """Name used in metrics; empty means the file's stem."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class DataConfig:
+    kind: Literal["synthetic", "jsonl"] = "synthetic"
+    """synthetic: generated counting sequences (debugging); jsonl: the sources below."""
+    sources: tuple[DataSourceConfig, ...] = ()
+    """JSONL sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}]."""
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    """What to do with a sample longer than seq_len."""
+    shuffle: bool = True
+    """Shuffle the sample order each epoch (a pure function of seed and epoch)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class CkptConfig:
+    interval: int = 0
+    """Save a checkpoint every this many steps; 0 saves only the final step."""
+    keep_last: int = 0
+    """Keep only this many newest checkpoints; 0 keeps all."""
+    save_final: bool = True
+    """Save the state after the last step."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP outer dimension)."""
+    dp_shard: int = -1
+    """Data-parallel shards (FSDP2); -1 takes whatever the world size leaves."""
+    cp: int = 1
+    """Context parallel degree (only 1 is implemented)."""
+    tp: int = 1
+    """Tensor parallel degree (only 1 is implemented)."""
+    ep: int | Literal["auto"] = 1
+    """Expert parallel degree, or "auto" (only 1 is implemented, so auto resolves to 1)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class WandbConfig:
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    """Weights & Biases logging mode; offline needs no account or network."""
+    project: str = "fnt"
+    """W&B project name."""
+    name: str = ""
+    """W&B run name; empty lets W&B choose."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RuntimeConfig:
+    num_threads: int = 0
+    """CPU threads per rank; 0 takes a fair share of the process's CPU affinity per local rank."""
+    matmul_precision: Literal["highest", "high", "medium"] = "highest"
+    """torch.set_float32_matmul_precision."""
+    dist_timeout_s: float = 600.0
+    """Timeout of collective operations, in seconds."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s of one device for perf/mfu; 0 looks it up (CUDA) or assumes 1.0 (CPU)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class Config:
+    output_dir: str = "runs/default"
+    """Run directory: config.json, metrics.jsonl, checkpoints/."""
+    seed: int = 0
+    """Seed of the data order, synthetic data and sampling."""
+    max_steps: int = 10
+    """Optimizer steps to run; rows 1..max_steps are written."""
+    batch_size: int = 8
+    """Rows of seq_len tokens per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward pass on one rank."""
+    seq_len: int = 128
+    """Tokens per row (documents are packed into rows)."""
+    resume: int | bool | Literal["latest"] | None = None
+    """None: start fresh; "latest": newest complete checkpoint if any; N: checkpoint step_N."""
+    trace_path: str | None = None
+    """Write a torch profiler trace per rank to trace_path/trace_{rank}.json.gz."""
+    trace_steps: int = 0
+    """Steps to profile from the first step; 0 profiles every step."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training data."""
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    """Checkpointing."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel dimensions."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Process-level settings."""
+
+
+# ---------------------------------------------------------------------------------------------
+# RL: the sections scripts/rl.py adds
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RLLossConfig:
+    eps_low: float = 0.2
+    """Mask tokens with A < 0 whose importance ratio is already below 1 - eps_low."""
+    eps_high: float = 0.28
+    """Mask tokens with A > 0 whose importance ratio is already above 1 + eps_high."""
+    kl_tau: float = 0.0
+    """Weight of the penalty kl_tau * (log r)^2; 0 turns it off."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["in_process", "external"] = "in_process"
+    """in_process: generate with the current policy here; external: read {output_dir}/rollouts/."""
+    prompts: str = ""
+    """JSONL file of prompts: {"prompt": ...} or {"messages": [...]}, plus fields for the reward."""
+    prompts_per_step: int = 4
+    """Prompts sampled per optimizer step, over all data-parallel ranks."""
+    group_size: int = 4
+    """Completions generated per prompt (advantages are relative within the group)."""
+    max_new_tokens: int = 32
+    """Longest completion, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    reward: str = ""
+    """Reward function: a registry name (see fnt.rewards) or "module:function"."""
+    std_normalize: bool = True
+    """Divide advantages by the group's reward std (plus eps)."""
+    timeout_s: float = 600.0
+    """External engine: how long to wait for a step's rollouts."""
+    keep_weights: int = 2
+    """External engine: published weight directories to keep."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class RLConfig(Config):
+    loss: RLLossConfig = field(default_factory=RLLossConfig)
+    """The policy-gradient loss."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout generation and rewards."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Introspection
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstring under each field of a dataclass (and its bases), from source."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = nxt.value.value.strip()
+    return docs
+
+
+@cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each field of a config class (the annotations are strings)."""
+    return typing.get_type_hints(cls)
+
+
+def all_keys(cls: type, prefix: str = "") -> dict[str, tuple[Any, str]]:
+    """Every leaf key of a config class as `dotted.key -> (type, docstring)`."""
+    out: dict[str, tuple[Any, str]] = {}
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        tp = field_types(cls)[f.name]
+        key = prefix + f.name
+        if dataclasses.is_dataclass(tp):
+            out.update(all_keys(tp, key + "."))
+        else:
+            out[key] = (tp, docs.get(f.name, ""))
+    return out
+
+
+def type_name(tp: Any) -> str:
+    """A short human name of a field type, as shown in error messages and help."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(json.dumps(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join("none" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"list of {type_name(args[0])}"
+        return "(" + ", ".join(type_name(a) for a in args) + ")"
+    if dataclasses.is_dataclass(tp):
+        return "table {" + ", ".join(f.name for f in dataclasses.fields(tp)) + "}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def help_text(cls: type = Config) -> str:
+    """One line per key: `key (type, default): docstring`."""
+    defaults = flatten(to_plain(cls()))
+    lines = []
+    for key, (tp, doc) in all_keys(cls).items():
+        lines.append(f"--{key} ({type_name(tp)}; default {json.dumps(defaults.get(key))}): {doc}")
+    return "\n".join(lines)
+
+
+def markdown_keys(cls: type = RLConfig) -> str:
+    """A Markdown table of every key of `cls` (type, default, description), for the README."""
+    defaults = flatten(to_plain(cls()))
+    lines = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for key, (tp, doc) in all_keys(cls).items():
+        kind = type_name(tp).replace("|", "\\|")
+        lines.append(f"| `{key}` | {kind} | `{json.dumps(defaults.get(key))}` | {doc} |")
+    return "\n".join(lines)
+
+
+def source_name(source: DataSourceConfig) -> str:
+    """A source's metric name: its `name`, else the file's stem."""
+    return source.name or os.path.splitext(os.path.basename(source.path))[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Serialization
+
+
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def to_plain(config: Any) -> dict:
+    """A JSON-ready nested dict (tuples become lists)."""
+    return json.loads(config.to_json())
+
+
+def to_json(config: Any) -> str:
+    return json.dumps(to_plain(config), indent=2, sort_keys=True)

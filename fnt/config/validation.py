@@ -1,0 +1,113 @@
+"""Cross-field validation of a built config: values, several fields, the world size. Pure.
+
+The parallel plan is checked here with the same rules as at setup (fnt.parallel), so a plan
+that cannot run is rejected on the command line, before torch is imported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fnt.config.schema import Config, RLConfig, RolloutConfig, source_name
+from fnt.errors import ConfigError
+from fnt.parallel import plan_parallel_dims
+
+
+def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat list of rules
+    """Rules that involve values, several fields or the world size; raises ConfigError."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'{key}' = {_get(config, key)!r}: {message}")
+
+    require(config.max_steps >= 1, "max_steps", "must be at least 1")
+    require(config.batch_size >= 1, "batch_size", "must be at least 1")
+    require(config.micro_batch_size >= 1, "micro_batch_size", "must be at least 1")
+    require(config.seq_len >= 2, "seq_len", "must be at least 2")
+    require(config.trace_steps >= 0, "trace_steps", "must be 0 (all steps) or more")
+    require(config.optim.lr >= 0, "optim.lr", "must be >= 0")
+    require(config.optim.eps > 0, "optim.eps", "must be > 0")
+    require(config.optim.max_norm >= 0, "optim.max_norm", "must be >= 0 (0 measures only)")
+    require(config.optim.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    require(all(0 <= b < 1 for b in config.optim.betas), "optim.betas", "each must be in [0, 1)")
+    require(config.schedule.warmup_steps >= 0, "schedule.warmup_steps", "must be >= 0")
+    require(config.schedule.min_lr >= 0, "schedule.min_lr", "must be >= 0")
+    require(
+        config.schedule.min_lr <= config.optim.lr,
+        "schedule.min_lr",
+        f"must not exceed optim.lr = {config.optim.lr}",
+    )
+    require(config.ckpt.interval >= 0, "ckpt.interval", "must be >= 0 (0 = final step only)")
+    require(config.ckpt.keep_last >= 0, "ckpt.keep_last", "must be >= 0 (0 = keep all)")
+    require(config.runtime.num_threads >= 0, "runtime.num_threads", "must be >= 0 (0 = auto)")
+    require(config.runtime.dist_timeout_s > 0, "runtime.dist_timeout_s", "must be > 0")
+    require(config.runtime.peak_tflops >= 0, "runtime.peak_tflops", "must be >= 0 (0 = auto)")
+    require(
+        not isinstance(config.resume, int) or isinstance(config.resume, bool) or config.resume >= 0,
+        "resume",
+        'must be a step number >= 0, "latest", true/false or none',
+    )
+    if config.data.kind == "jsonl":
+        require(
+            bool(config.data.sources),
+            "data.sources",
+            'data.kind = "jsonl" needs at least one source',
+        )
+        for i, source in enumerate(config.data.sources):
+            if not source.path:
+                raise ConfigError(f"'data.sources[{i}].path' is empty: name a JSONL file")
+            if source.weight <= 0:
+                raise ConfigError(f"'data.sources[{i}].weight' = {source.weight}: must be > 0")
+        names = [source_name(s) for s in config.data.sources]
+        require(
+            len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}"
+        )
+    # ep does not change the data-parallel size; setup checks it against the model.
+    dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp
+    rows_per_pass = config.micro_batch_size * dp
+    require(
+        config.batch_size % rows_per_pass == 0,
+        "batch_size",
+        f"must be divisible by micro_batch_size ({config.micro_batch_size}) x data-parallel size "
+        f"({dp}) = {rows_per_pass}",
+    )
+    if isinstance(config, RLConfig):
+        require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
+        require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
+        require(config.loss.eps_low >= 0, "loss.eps_low", "must be >= 0")
+        require(config.loss.eps_high >= 0, "loss.eps_high", "must be >= 0")
+        require(config.loss.kl_tau >= 0, "loss.kl_tau", "must be >= 0")
+        if config.rollout.engine == "in_process":
+            validate_rollout(config.rollout, dp_size=dp)
+
+
+def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
+    """ConfigError unless the in-process engine's settings can run on dp_size ranks. Pure."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
+
+    require(bool(rollout.prompts), "prompts", "name a JSONL file of prompts")
+    require(bool(rollout.reward), "reward", 'name a reward (see fnt.rewards) or "module:function"')
+    require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
+    require(
+        rollout.prompts_per_step % dp_size == 0,
+        "prompts_per_step",
+        f"must be divisible by the data-parallel size ({dp_size}): each rank takes an equal share",
+    )
+    require(rollout.group_size >= 1, "group_size", "must be at least 1")
+    require(rollout.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
+    require(
+        math.isfinite(rollout.temperature) and rollout.temperature > 0,
+        "temperature",
+        "must be a finite number > 0",
+    )
+
+
+def _get(config: Any, dotted: str) -> Any:
+    node = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
