@@ -28,7 +28,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 lint: setup
-	$(VENV)/bin/ruff check fnt steps scripts tests native
+	$(VENV)/bin/ruff check fnt steps scripts tests
 
 clean:
 	rm -rf $(RUNS) .pytest_cache

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fnt.optim import _native
+from fnt.native import build as _native
 from fnt.optim.adamw import CPUAdamW
 
 LR = 1e-3

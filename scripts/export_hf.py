@@ -1,29 +1,8 @@
-"""Export a checkpoint as a Hugging Face model directory.
+"""`python scripts/export_hf.py ARGS...` is `fnt export ARGS...` (see fnt/__main__.py)."""
 
-python scripts/export_hf.py --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]
-"""
+import sys
 
-from __future__ import annotations
-
-import argparse
-import json
-from pathlib import Path
-
-from fnt.export import export_hf
-from fnt.model import DTYPES
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--checkpoint", type=Path, required=True, help="a complete step_N directory"
-    )
-    parser.add_argument("--out", type=Path, required=True, help="directory to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights")
-    args = parser.parse_args(argv)
-    out = export_hf(args.checkpoint, args.out, args.dtype)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(out), "dtype": args.dtype}))
-
+from fnt.__main__ import main
 
 if __name__ == "__main__":
-    main()
+    main(["export", *sys.argv[1:]])

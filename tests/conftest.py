@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models written once per test session through the real maker script."""
+"""Shared fixtures: tiny models written once per test session by `fnt make-tiny-model`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def make_model(out: Path, *extra: str) -> Path:
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(out), *extra],
+        [sys.executable, "-m", "fnt", "make-tiny-model", "--out", str(out), *extra],
         check=True,
         capture_output=True,
     )

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from fnt.optim import _native
+from fnt.native import build as _native
 
 IMPLS = ("native", "reference")
 _TORCH_LANES = 8  # see adamw_reference_

@@ -18,15 +18,24 @@ REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def run_script(script: str, *args: str, nproc: int = 0, timeout: float = 300, check: bool = True):
+def run_script(
+    script: str,
+    *args: str,
+    nproc: int = 0,
+    timeout: float = 300,
+    check: bool = True,
+    module: bool = False,
+):
     """Run scripts/{script} (or `script` itself when it is an absolute path, such as a test's own
-    loop) with args; under torchrun --standalone when nproc > 0. The repository is on PYTHONPATH
-    so that such loops can import the tests' helpers."""
+    loop, or the module `script` with `-m` when module=True) with args; under torchrun
+    --standalone when nproc > 0. The repository is on PYTHONPATH so that such loops can import
+    the tests' helpers."""
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
+    target = ["-m", script] if module else [str(REPO / "scripts" / script)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
     # A session of its own, so that a hung run's torchrun workers die with it on timeout.
     with subprocess.Popen(
-        [*launcher, str(REPO / "scripts" / script), *args],
+        [*launcher, *target, *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

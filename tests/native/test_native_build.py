@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from fnt.optim import _native
+from fnt.native import build as _native
 from fnt.optim.adamw import CPUAdamW
 
 

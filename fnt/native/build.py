@@ -1,4 +1,4 @@
-"""Builds and loads the native CPU AdamW kernel (native/adamw.cpp).
+"""Builds and loads the native CPU AdamW kernel (adamw.cpp, shipped next to this module).
 
 Side effects: on first use in a process, compiles the extension with the system C++ compiler and
 ninja into a cache directory (``$FNT_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fnt/native``, else
@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).resolve().parents[2] / "native" / "adamw.cpp"
+SOURCE = Path(__file__).resolve().with_name("adamw.cpp")
 
 
 class NativeBuildError(RuntimeError):

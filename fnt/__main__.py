@@ -1,0 +1,108 @@
+"""The `fnt` command line: `fnt COMMAND ...`, or `python -m fnt COMMAND ...`.
+
+The second form is the one torchrun launches: `torchrun --nproc-per-node 2 -m fnt sft ...`.
+
+Design rule: the fnt library never imports the `steps` package, where the step functions live,
+because steps are handed to the driver (`run(config, step, batches)`), not built into it. This
+module is the command-line application, run only as a program and never imported by the
+library, and it is the one place that imports steps: lazily, inside the sft and rl commands, so
+that `fnt --help`, a bad command line and the other commands need neither steps nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fnt.cli import config_from_argv, exit_on_bad_input
+from fnt.config import Config, RLConfig
+
+USAGE = """\
+usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
+
+commands:
+  sft              supervised fine-tuning: fnt sft --config FILE.toml [--key=value]...
+  rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
+  export           write a checkpoint as a Hugging Face model directory
+  make-tiny-model  write a tiny Hugging Face model for tests and demos
+
+`fnt sft --help` and `fnt rl --help` list the config keys; the other commands take --help too.
+Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
+
+
+def train_sft(config: Config) -> None:
+    from fnt.loop import run
+    from fnt.sources import sft_batches
+    from steps.sft import sft_step
+
+    run(config, sft_step, sft_batches)
+
+
+def train_rl(config: RLConfig) -> None:
+    from fnt.loop import run
+    from fnt.rollout import rl_batches
+    from fnt.rollout.external import external_batches, publish_weights_
+    from steps.rl import rl_step
+
+    if config.rollout.engine == "external":
+        run(config, rl_step, external_batches, after_step=publish_weights_)
+    else:
+        run(config, rl_step, rl_batches)
+
+
+def sft(argv: list[str]) -> None:
+    """`fnt sft --config FILE.toml [--key=value]...`; a bad config exits 2 before any model."""
+    train_sft(config_from_argv(argv))
+
+
+def rl(argv: list[str]) -> None:
+    """`fnt rl --config FILE.toml [--key=value]...`: rollouts from the in-process engine or, with
+    `--rollout.engine external`, from an orchestrator writing {output_dir}/rollouts/."""
+    train_rl(config_from_argv(argv, RLConfig))
+
+
+def export(argv: list[str]) -> None:
+    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]`."""
+    from fnt.export import export_hf
+    from fnt.model import DTYPES
+
+    parser = argparse.ArgumentParser(
+        prog="fnt export", description="Export a checkpoint as a Hugging Face model directory."
+    )
+    parser.add_argument(
+        "--checkpoint", type=Path, required=True, help="a complete step_N directory"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights")
+    args = parser.parse_args(argv)
+    out = export_hf(args.checkpoint, args.out, args.dtype)
+    print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(out), "dtype": args.dtype}))
+
+
+def make_tiny_model(argv: list[str]) -> None:
+    from fnt import tiny_model
+
+    tiny_model.main(argv)
+
+
+COMMANDS = {"sft": sft, "rl": rl, "export": export, "make-tiny-model": make_tiny_model}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command named by argv[0] (default: sys.argv[1:]); exit 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0)
+    if not argv or argv[0] not in COMMANDS:
+        unknown = f"\nerror: unknown command {argv[0]!r}" if argv else ""
+        print(USAGE + unknown, file=sys.stderr)
+        sys.exit(2)
+    with exit_on_bad_input():
+        COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()
