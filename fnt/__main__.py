@@ -3,7 +3,7 @@
 The second form is the one torchrun launches: `torchrun --nproc-per-node 2 -m fnt sft ...`.
 
 Design rule: the fnt library never imports the `steps` package, where the step functions live,
-because steps are handed to the driver (`run(config, step, batches)`), not built into it. This
+because steps are handed to the driver (`run(config, step, source)`), not built into it. This
 module is the command-line application, run only as a program and never imported by the
 library, and it is the one place that imports steps: lazily, inside the sft and rl commands, so
 that `fnt --help`, a bad command line and the other commands need neither steps nor torch.
@@ -34,22 +34,20 @@ Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
 
 def train_sft(config: Config) -> None:
     from fnt.loop import run
-    from fnt.sources import sft_batches
-    from steps.sft import sft_step
+    from fnt.sources import sft_source
+    from steps import sft_step
 
-    run(config, sft_step, sft_batches)
+    run(config, sft_step, sft_source)
 
 
 def train_rl(config: RLConfig) -> None:
     from fnt.loop import run
-    from fnt.rollout import rl_batches
-    from fnt.rollout.external import external_batches, publish_weights_
-    from steps.rl import rl_step
+    from fnt.rollout.external import publish_weights_
+    from fnt.sources import rl_source
+    from steps import rl_step
 
-    if config.rollout.engine == "external":
-        run(config, rl_step, external_batches, after_step=publish_weights_)
-    else:
-        run(config, rl_step, rl_batches)
+    external = config.rollout.engine == "external"
+    run(config, rl_step, rl_source, on_state=publish_weights_ if external else None)
 
 
 def sft(argv: list[str]) -> None:

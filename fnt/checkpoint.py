@@ -4,11 +4,12 @@ Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and opt
 (`.metadata`, `__*_*.distcp`), `progress.json` (Progress, with the data position), `meta.json`
 (the model directory, for export) and the marker `COMPLETE`.
 
-How completeness is marked: every rank writes into `step_N.partial/`; after a barrier, rank 0
-writes `progress.json`, `meta.json` and then `COMPLETE` (each fsynced), renames the directory to
-`step_N` and fsyncs the parent. `resolve_resume_step` counts only directories named `step_N`
-that hold `COMPLETE`, so a crash at any moment of a save leaves the previous checkpoint as the
-newest complete one. The learning rate is derived from the step, so there is no scheduler state.
+How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
+barrier, rank 0 writes `progress.json` and `meta.json`, fsyncs everything, writes `COMPLETE`,
+renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step` counts only
+directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save leaves the
+previous checkpoint as the newest complete one. The learning rate is derived from the step, so
+there is no scheduler state.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import shutil
 import signal
 import warnings
+from functools import partial as bind
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fnt.resume import COMPLETE_MARKER, checkpoint_dir, complete_steps, list_checkpoints
+from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints
 from fnt.state import Progress
+from fnt.transaction import (
+    COMPLETE_MARKER,
+    begin_dir_,
+    commit_dir_,
+    is_complete,
+    partial_dir,
+    write_synced,
+)
 
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
-PARTIAL_SUFFIX = ".partial"
 # Fault injection for the crash tests: "STEP:PHASE" makes rank 0 SIGKILL itself during the save
 # of step STEP, at PHASE "shards" (DCP files written, no marker) or "marker" (marker written, not
 # yet renamed). Unset in normal runs.
@@ -62,21 +71,6 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     ckpt_root: Path,
     progress: Progress,
@@ -89,10 +83,9 @@ def save_checkpoint(
 ) -> Path:
     """Write step_{progress.step} as a transaction (see the module docstring)."""
     final = checkpoint_dir(ckpt_root, progress.step)
-    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    partial = partial_dir(final)
     if rank == 0:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier save
+        begin_dir_(final)
     _barrier(distributed)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():
@@ -107,20 +100,21 @@ def save_checkpoint(
     _barrier(distributed)
     if rank == 0:
         _fault_point(progress.step, "shards")
-        _write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
-        _write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
-        _write_synced(partial / COMPLETE_MARKER, f"step {progress.step}\n")
-        _fsync_dir(partial)
-        _fault_point(progress.step, "marker")
-        os.replace(partial, final)
-        _fsync_dir(ckpt_root)
+        write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
+        write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
+        commit_dir_(
+            partial,
+            final,
+            f"step {progress.step}\n",
+            before_rename=bind(_fault_point, progress.step, "marker"),
+        )
     _barrier(distributed)
     return final
 
 
 def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: bool) -> Progress:
     """Load model and optimizer state in place from a complete checkpoint; return its Progress."""
-    if not (path / COMPLETE_MARKER).is_file():
+    if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

@@ -16,21 +16,21 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fnt.checkpoint import read_meta
-from fnt.model import DTYPES
-from fnt.resume import COMPLETE_MARKER
+from fnt.config import ModelConfig
+from fnt.model import DTYPES, load_hf_model
+from fnt.tokenizer import load_tokenizer
+from fnt.transaction import COMPLETE_MARKER, is_complete
 
 
 def load_trained_model(ckpt_dir: Path) -> nn.Module:
     """The base model architecture with the checkpoint's weights, in float32, on CPU."""
-    from transformers import AutoModelForCausalLM
-
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / COMPLETE_MARKER).is_file():
+    if not is_complete(ckpt_dir):
         raise FileNotFoundError(
             f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE_MARKER} file)"
         )
     base = read_meta(ckpt_dir)["model_name"]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = load_hf_model(ModelConfig(name=base, dtype="float32"), torch.device("cpu"))
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings(
@@ -43,13 +43,11 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
 
 def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None) -> Path:
     """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir."""
-    from transformers import AutoTokenizer
-
     model = load_trained_model(ckpt_dir)
     if dtype is not None:
         model = model.to(DTYPES[dtype])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(read_meta(Path(ckpt_dir))["model_name"]).save_pretrained(out_dir)
+    load_tokenizer(read_meta(Path(ckpt_dir))["model_name"]).save_pretrained(out_dir)
     return out_dir

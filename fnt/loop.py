@@ -1,42 +1,37 @@
 """The fold and the driver.
 
-`fold` is pure control flow: it threads a TrainState through a step function. `run` is the one
-place with side effects: process group, model and optimizer construction, checkpoint load and
-save, profiler window, monitors and signals.
+`fold` is pure control flow: it threads a TrainState through a source and a step function. `run`
+is the one place with side effects: process group, the start state (fresh or restored: the resume
+decision lives here), checkpoint saves, profiler window, monitors and signals.
 """
 
 from __future__ import annotations
 
-import itertools
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from fnt.checkpoint import (
-    cleanup_checkpoints_,
-    load_checkpoint_,
-    save_checkpoint,
-    should_checkpoint,
-)
+from fnt.build import init_state, restore_
+from fnt.checkpoint import cleanup_checkpoints_, save_checkpoint, should_checkpoint
 from fnt.config import Config, ConfigError, to_json
 from fnt.metrics import (
     disk_metrics,
     flops_per_token,
     log_step_metrics,
+    merge_metrics,
     peak_flops_per_device,
     peak_memory_gib,
     perf_metrics,
     to_floats,
 )
-from fnt.model import load_model
+from fnt.model import model_facts
 from fnt.monitors import open_monitors
-from fnt.optim import setup_optimizer
-from fnt.optim.setup import apply_compute_dtype_
 from fnt.profiler import save_trace, start_trace
 from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints, resolve_resume_step
 from fnt.setup import Runtime, setup_trainer, teardown_trainer
-from fnt.state import Handles, Progress, StepCursor, TrainState
+from fnt.sources import Source
+from fnt.state import Progress, TrainState
 
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
@@ -44,11 +39,15 @@ CONFIG_FILE = "config.json"
 
 
 def fold(
-    state: TrainState, batches: Iterable[Any], step_fn: StepFn
+    state: TrainState, source: Source, step_fn: StepFn, steps: int
 ) -> Iterator[tuple[TrainState, Metrics]]:
-    """Thread `state` through `step_fn` for each batch, yielding every successor and its metrics."""
-    for batch in batches:
-        state, metrics = step_fn(state, batch)
+    """Run `steps` updates: each asks `source` for the batch of the current state, then steps.
+
+    Yields every successor state with its metrics. The source sees only the current state, so it
+    can never produce a batch ahead of the state it belongs to.
+    """
+    for _ in range(steps):
+        state, metrics = step_fn(state, source(state))
         yield state, metrics
 
 
@@ -65,27 +64,32 @@ def ckpt_root(config: Config) -> Path:
     return Path(config.output_dir) / "checkpoints"
 
 
-def build_state(
-    config: Config, runtime: Runtime, extra: Optional[dict] = None
-) -> tuple[TrainState, Any]:
-    """Model, optimizer and Progress, restored from a checkpoint when `config.resume` says so."""
-    plan = runtime.offload
-    model, facts = load_model(config.model, runtime, plan)
-    optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
-    resume_step = resolve_resume_step(config.resume, ckpt_root(config))
+def save_state(state: TrainState) -> Path:
+    """Checkpoint `state` as checkpoints/step_{progress.step} of its output_dir (a collective
+    under torchrun)."""
+    runtime = state.handles.runtime
+    return save_checkpoint(
+        ckpt_root(state.config),
+        state.progress,
+        state.handles.model,
+        state.handles.optimizer,
+        model_name=state.config.model.name,
+        rank=runtime.rank,
+        distributed=runtime.distributed,
+    )
+
+
+def start_state(config: Config, runtime: Runtime) -> TrainState:
+    """The state a run starts from: restored from the checkpoint `config.resume` selects, or
+    fresh, in which case earlier checkpoints in the output directory are refused."""
+    root = ckpt_root(config)
+    resume_step = resolve_resume_step(config.resume, root)
     if resume_step is None:
-        refuse_stale_checkpoints(ckpt_root(config))
-    progress = Progress()
+        refuse_stale_checkpoints(root)
+    state = init_state(config, runtime)
     if resume_step is not None:
-        progress = load_checkpoint_(
-            checkpoint_dir(ckpt_root(config), resume_step),
-            model,
-            optimizer,
-            distributed=runtime.distributed,
-        )
-    apply_compute_dtype_(model, optimizer, plan)
-    handles = Handles(model, optimizer, runtime, StepCursor(progress.step), extra)
-    return TrainState(config, progress, handles), facts
+        state = restore_(state, checkpoint_dir(root, resume_step))
+    return state
 
 
 def refuse_stale_checkpoints(root: Path) -> None:
@@ -110,17 +114,15 @@ def _raise_terminated(signum, frame):
 def run(
     config: Config,
     step_fn: StepFn,
-    make_batches: Callable[[TrainState], Iterable[Any]],
+    source: Source,
     *,
-    extra: Optional[Callable[[Config, Runtime], dict]] = None,
-    after_step: Optional[Callable[[TrainState], Any]] = None,
-    console: bool = True,
+    on_state: Optional[Callable[[TrainState], Any]] = None,
 ) -> TrainState:
-    """Train from the configured start (fresh or resumed) to `config.max_steps`.
+    """Train from the configured start (fresh or resumed) to `config.max_steps`; return the last
+    state.
 
-    `make_batches(state)` must yield the batches for steps state.progress.step + 1, + 2, ...
-    `extra(config, runtime)` may add step-specific handles (e.g. a rollout engine).
-    `after_step(state)` runs on every rank after each update, before the checkpoint (e.g. to
+    `source(state)` gives the batch of the step after `state` (see fnt.sources). `on_state(state)`
+    runs on every rank for the start state and after each update, before the checkpoint (e.g. to
     publish weights to an external rollout engine); its time is logged as time/after_step.
     """
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -128,42 +130,37 @@ def run(
     monitors = None
     prof = None
     try:
-        state, facts = build_state(config, runtime, extra(config, runtime) if extra else None)
+        state = start_state(config, runtime)
         start_step = state.progress.step
+        if on_state is not None:
+            on_state(state)
         output_dir = Path(config.output_dir)
         if runtime.is_main:
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / CONFIG_FILE).write_text(to_json(config) + "\n")
-            monitors = open_monitors(config, start_step, console=console)
+            monitors = open_monitors(config, start_step)
         peak_flops = peak_flops_per_device(config.runtime.peak_tflops, runtime.device)
+        facts = model_facts(state.handles.model)
         fpt = flops_per_token(facts.num_params, facts.num_layers, facts.hidden_size, config.seq_len)
 
         prof = start_trace(config.trace_path)
-        batches = itertools.islice(make_batches(state), max(0, config.max_steps - start_step))
+        steps = max(0, config.max_steps - start_step)
         tokens_before = state.progress.total_tokens
         step_started = time.perf_counter()
-        for state, metrics in fold(state, batches, step_fn):
+        for state, metrics in fold(state, source, step_fn, steps):
             step = state.progress.step
             step_seconds = time.perf_counter() - step_started
             timing = {"time/step": step_seconds}
-            if after_step is not None:
+            if on_state is not None:
                 hook_started = time.perf_counter()
-                after_step(state)
+                on_state(state)
                 timing["time/after_step"] = time.perf_counter() - hook_started
             save_seconds = 0.0
             if should_checkpoint(
                 step, config.ckpt.interval, config.max_steps, config.ckpt.save_final
             ):
                 save_started = time.perf_counter()
-                save_checkpoint(
-                    ckpt_root(config),
-                    state.progress,
-                    state.handles.model,
-                    state.handles.optimizer,
-                    model_name=config.model.name,
-                    rank=runtime.rank,
-                    distributed=runtime.distributed,
-                )
+                save_state(state)
                 if runtime.is_main:
                     cleanup_checkpoints_(ckpt_root(config), config.ckpt.keep_last)
                 save_seconds = time.perf_counter() - save_started
@@ -171,7 +168,7 @@ def run(
             tokens_before = state.progress.total_tokens
             log_step_metrics(
                 step,
-                {**to_floats(metrics), **progress_metrics(state.progress)},
+                merge_metrics(to_floats(metrics), progress_metrics(state.progress)),
                 time=time.time(),
                 perf=perf_metrics(
                     tokens,

@@ -17,7 +17,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Sizes of the unsharded model, taken before sharding (for FLOP counts)."""
+    """Sizes of the whole model (for FLOP counts)."""
 
     num_params: int
     num_layers: int
@@ -33,14 +33,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def load_model(
-    model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD
-) -> tuple[nn.Module, ModelFacts]:
-    """from_pretrained a local directory, then activation checkpointing and FSDP2 as configured.
-
-    ``plan`` (from fnt.optim.setup.offload_plan) gives the FSDP2 offload and mixed-precision
-    policies (setup_trainer has already bound the process to its GPU's NUMA node when offloading).
-    """
+def load_hf_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(model.name)` with the configured dtype and attention
+    kernel, moved to `device`; the one place fnt loads a Hugging Face model."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -50,13 +45,27 @@ def load_model(
         dtype=DTYPES[model_config.dtype],
         attn_implementation=model_config.attn_implementation,
     )
-    model.to(runtime.device)
-    hf = model.config
-    facts = ModelFacts(
+    return model.to(device)
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """Sizes of the whole model, sharded or not (a DTensor counts its global elements)."""
+    return ModelFacts(
         num_params=sum(p.numel() for p in model.parameters()),
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
+        num_layers=model.config.num_hidden_layers,
+        hidden_size=model.config.hidden_size,
     )
+
+
+def load_model(
+    model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD
+) -> nn.Module:
+    """The model for training: loaded, with activation checkpointing and FSDP2 as configured.
+
+    ``plan`` (from fnt.optim.setup.offload_plan) gives the FSDP2 offload and mixed-precision
+    policies (setup_trainer has already bound the process to its GPU's NUMA node when offloading).
+    """
+    model = load_hf_model(model_config, runtime.device)
     if model_config.ac:
         # transformers 5 renamed gradient_checkpointing_enable; accept both generations.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -71,7 +80,7 @@ def load_model(
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime), plan)
     model.train()
-    return model, facts
+    return model
 
 
 def data_parallel_mesh(runtime: Runtime) -> Any:

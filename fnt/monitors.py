@@ -180,13 +180,12 @@ class Monitors:
             monitor.close()
 
 
-def open_monitors(config: Config, start_step: int, console: bool = True) -> Monitors:
+def open_monitors(config: Config, start_step: int) -> Monitors:
     """metrics.jsonl (trimmed to `start_step`), W&B unless disabled, and the console line."""
     monitors: list[Any] = [JsonlMonitor(Path(config.output_dir) / METRICS_FILE, start_step)]
     if config.wandb.mode != "disabled":
         monitors.append(WandbMonitor(config, start_step))
-    if console:
-        monitors.append(ConsoleMonitor(config.max_steps, start_step))
+    monitors.append(ConsoleMonitor(config.max_steps, start_step))
     return Monitors(monitors)
 
 

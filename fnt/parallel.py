@@ -7,7 +7,7 @@ imported; setup applies them again once the model's number of experts is known.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from fnt.errors import ConfigError
 
@@ -87,3 +87,21 @@ def resolve_ep(ep: Union[int, str], num_experts: Optional[int], world_size: int)
             f"and the world size ({world_size})"
         )
     return ep
+
+
+def rank_bounds(count: int, dp_rank: int, dp_size: int, *, what: str) -> tuple[int, int]:
+    """[lo, hi) of data-parallel rank dp_rank's contiguous share of `count` items; ValueError
+    naming `what` the items are when they do not split evenly."""
+    if count % dp_size:
+        raise ValueError(
+            f"{count} {what} do not split evenly over {dp_size} data-parallel ranks: "
+            f"make them a multiple of {dp_size}"
+        )
+    per_rank = count // dp_size
+    return dp_rank * per_rank, (dp_rank + 1) * per_rank
+
+
+def rank_share(items: Sequence[Any], dp_rank: int, dp_size: int, *, what: str) -> tuple[Any, ...]:
+    """Rank dp_rank's contiguous share of a step's items (prompts, samples, rows)."""
+    lo, hi = rank_bounds(len(items), dp_rank, dp_size, what=what)
+    return tuple(items[lo:hi])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -26,14 +25,11 @@ def start_trace(trace_path: Optional[str]) -> Optional[profile]:
     return prof
 
 
-def save_trace(
-    prof: Optional[profile], trace_path: Optional[str], rank: Optional[int] = None
-) -> Optional[Path]:
+def save_trace(prof: Optional[profile], trace_path: Optional[str], rank: int) -> Optional[Path]:
     """Stop the profiler and write `trace_path/trace_{rank}.json.gz` (a gzipped Chrome trace)."""
     if prof is None or not trace_path:
         return None
     prof.stop()
-    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     path = trace_file(trace_path, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))

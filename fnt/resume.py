@@ -2,7 +2,7 @@
 
 A checkpoint directory is complete when it is named `step_N` and holds the marker file
 `COMPLETE`. The saver writes everything into a temporary sibling, writes the marker last and
-only then renames the directory to `step_N` (see fnt/checkpoint.py), so a crash at any moment
+only then renames the directory to `step_N` (fnt.transaction), so a crash at any moment
 leaves either a complete `step_N` or something these rules ignore.
 """
 
@@ -13,13 +13,15 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-COMPLETE_MARKER = "COMPLETE"
+from fnt.errors import ConfigError
+from fnt.transaction import COMPLETE_MARKER
+
 # Only the canonical names the saver writes: no leading zeros, ASCII digits, nothing after.
 _STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
 
 
-class ResumeError(ValueError):
-    """The requested checkpoint does not exist or is incomplete."""
+class ResumeError(ConfigError):
+    """The requested checkpoint does not exist or is incomplete (a bad `resume` value)."""
 
 
 def step_of(name: str) -> Optional[int]:

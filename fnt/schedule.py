@@ -1,7 +1,7 @@
 """Learning-rate schedules as pure functions of the step. Pure.
 
-`lr_at(step, ...)` is the rate used by update number `step` (1-based, DESIGN.md section 4), so a
-resumed run derives the same rate with no scheduler state to checkpoint.
+`lr_at(step, ...)` is the rate used by update number `step` (1-based; docs/design.md, "Step
+numbering"), so a resumed run derives the same rate with no scheduler state to checkpoint.
 """
 
 from __future__ import annotations

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from dataclasses_json import dataclass_json
 
 from fnt.batch import DataPosition
+
+if TYPE_CHECKING:
+    from fnt.data.sft import JsonlData
+    from fnt.rollout.engine import InProcessEngine
+    from fnt.rollout.external import ExternalRollouts
 
 
 @dataclass_json
@@ -46,13 +51,15 @@ class StepCursor:
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def advance_(self, from_step: int) -> None:
+    def move_(self, from_step: int, to_step: int) -> None:
+        """Record that the live model went from `from_step` to `to_step` (an update or a
+        restore); raises StaleStateError when it is not at `from_step`."""
         if from_step != self.step:
             raise StaleStateError(
                 f"this TrainState is at step {from_step} but the model is at step {self.step}: "
                 "a state can be stepped only once; use the state the step function returned"
             )
-        self.step = from_step + 1
+        self.step = to_step
 
 
 @dataclass(frozen=True)
@@ -67,8 +74,10 @@ class Handles:
     """The frozen runtime record from setup_trainer (ranks, device, mesh)."""
     cursor: StepCursor
     """Guard against stepping a consumed state."""
-    extra: dict | None = None
-    """Step-function specific references (e.g. a rollout engine)."""
+    data: Optional[JsonlData] = None
+    """SFT on JSONL sources: the tokenized corpus and its sample order (None otherwise)."""
+    rollouts: Optional[Union[InProcessEngine, ExternalRollouts]] = None
+    """RL: where each step's rollouts come from (None for SFT)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,7 @@ class TrainState:
         if "step" in changes:
             raise TypeError("advance() sets the step itself; pass only the other Progress fields")
         progress = dataclasses.replace(self.progress, step=self.progress.step + 1, **changes)
-        self.handles.cursor.advance_(self.progress.step)
+        self.handles.cursor.move_(self.progress.step, self.progress.step + 1)
         return dataclasses.replace(self, progress=progress)
 
     def check_current(self) -> None:

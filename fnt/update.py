@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fnt.batch import PackedRows, block_causal_mask, to_device
+from fnt.metrics import merge_metrics
 from fnt.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
 from fnt.optim import set_lr_
 from fnt.schedule import lr_at
@@ -218,13 +219,13 @@ def complete_step_(
     optim_metrics = optimizer_update_(
         handles.model, handles.optimizer, state.progress.step + 1, state.config
     )
-    metrics = {
-        **totals.metrics(),
-        **loss_metrics,
-        **optim_metrics,
-        "time/forward_backward": fwd_bwd_seconds,
-        **batch.metrics,
-    }
+    metrics = merge_metrics(
+        totals.metrics(),
+        loss_metrics,
+        optim_metrics,
+        {"time/forward_backward": fwd_bwd_seconds},
+        batch.metrics,
+    )
     progress = state.progress
     next_state = state.advance(
         total_tokens=progress.total_tokens + int(totals.tokens),

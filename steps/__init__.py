@@ -1,1 +1,9 @@
-"""Step functions: `(TrainState, batch) -> (TrainState, metrics)`, one optimizer update each."""
+"""Step functions: `(TrainState, batch) -> (TrainState, metrics)`, one optimizer update each.
+
+`from steps import sft_step, rl_step`; the fnt library never imports this package.
+"""
+
+from steps.rl import rl_step
+from steps.sft import sft_step
+
+__all__ = ["rl_step", "sft_step"]

@@ -41,11 +41,16 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    # Build from a copy without build/ or caches: setuptools would ship stale modules left in
+    # build/lib by an earlier build.
+    source = tmp_path_factory.mktemp("source") / "fnt"
+    junk = shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__")
+    shutil.copytree(REPO, source, ignore=junk)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation"]
         + ["-q", "-w", str(out)],
-        cwd=REPO,
+        cwd=source,
         check=True,
         capture_output=True,
         timeout=300,
@@ -63,6 +68,11 @@ def test_the_wheel_ships_the_kernel_source_and_the_fnt_command(wheel):
     assert {"fnt/native/adamw.cpp", "fnt/native/build.py", "fnt/__main__.py"} <= names
     assert "fnt/tiny_model.py" in names  # the tests' and the demo's models come from it
     assert scripts["console_scripts"]["fnt"] == "fnt.__main__:main"
+    # Nothing but the sources of this tree: no module a rename left behind in a build dir.
+    modules = {n for n in names if n.endswith(".py")}
+    assert all((REPO / name).is_file() for name in modules), sorted(
+        n for n in modules if not (REPO / n).is_file()
+    )
 
 
 @pytest.mark.slow

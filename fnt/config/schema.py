@@ -24,6 +24,8 @@ from dataclasses_json import dataclass_json
 @dataclass_json
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model to train: where it is, its dtype and attention kernel."""
+
     name: str = ""
     """Local directory of a Hugging Face causal LM, loaded with from_pretrained."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -37,6 +39,8 @@ class ModelConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class OptimConfig:
+    """The optimizer: algorithm, hyperparameters, implementation and offload."""
+
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer algorithm."""
     lr: float = 1e-3
@@ -64,6 +68,8 @@ class OptimConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class ScheduleConfig:
+    """The learning-rate schedule (a pure function of the step, see lr_at)."""
+
     kind: Literal["constant", "linear", "cosine"] = "constant"
     """Shape of the learning rate after warmup."""
     warmup_steps: int = 0
@@ -75,6 +81,8 @@ class ScheduleConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class DataSourceConfig:
+    """One JSONL source of SFT samples and its share of the mixture."""
+
     path: str = ""
     """Local JSONL file of prompt/completion or messages samples."""
     weight: float = 1.0
@@ -86,6 +94,8 @@ class DataSourceConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class DataConfig:
+    """The SFT training data: synthetic, or JSONL sources mixed by weight."""
+
     kind: Literal["synthetic", "jsonl"] = "synthetic"
     """synthetic: generated counting sequences (debugging); jsonl: the sources below."""
     sources: tuple[DataSourceConfig, ...] = ()
@@ -99,6 +109,8 @@ class DataConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class CkptConfig:
+    """When checkpoints are saved and how many are kept."""
+
     interval: int = 0
     """Save a checkpoint every this many steps; 0 saves only the final step."""
     keep_last: int = 0
@@ -110,6 +122,8 @@ class CkptConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Degrees of the parallel dimensions (data parallelism with FSDP2 today)."""
+
     dp_replicate: int = 1
     """Data-parallel replicas (HSDP outer dimension)."""
     dp_shard: int = -1
@@ -125,6 +139,8 @@ class ParallelConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class WandbConfig:
+    """Weights & Biases logging."""
+
     mode: Literal["disabled", "offline", "online"] = "disabled"
     """Weights & Biases logging mode; offline needs no account or network."""
     project: str = "fnt"
@@ -136,6 +152,8 @@ class WandbConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class RuntimeConfig:
+    """Process-level settings: threads, matmul precision, timeouts, peak FLOP/s."""
+
     num_threads: int = 0
     """CPU threads per rank; 0 takes a fair share of the process's CPU affinity per local rank."""
     matmul_precision: Literal["highest", "high", "medium"] = "highest"
@@ -149,6 +167,8 @@ class RuntimeConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class Config:
+    """Everything an SFT run needs, resolved from defaults, a TOML file and the command line."""
+
     output_dir: str = "runs/default"
     """Run directory: config.json, metrics.jsonl, checkpoints/."""
     seed: int = 0
@@ -186,12 +206,14 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# RL: the sections scripts/rl.py adds
+# RL: the sections `fnt rl` adds
 
 
 @dataclass_json
 @dataclass(frozen=True)
 class RLLossConfig:
+    """The RL policy-gradient loss."""
+
     eps_low: float = 0.2
     """Mask tokens with A < 0 whose importance ratio is already below 1 - eps_low."""
     eps_high: float = 0.28
@@ -203,6 +225,8 @@ class RLLossConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class RolloutConfig:
+    """Where RL rollouts come from and how they are sampled and scored."""
+
     engine: Literal["in_process", "external"] = "in_process"
     """in_process: generate with the current policy here; external: read {output_dir}/rollouts/."""
     prompts: str = ""
@@ -228,6 +252,8 @@ class RolloutConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class RLConfig(Config):
+    """An RL run: the SFT config's sections plus the loss and the rollouts."""
+
     loss: RLLossConfig = field(default_factory=RLLossConfig)
     """The policy-gradient loss."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

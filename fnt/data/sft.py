@@ -1,21 +1,24 @@
-"""The SFT batch stream. Side effects: sft_batches reads and tokenizes the sources once, when it is
-called (not at the first batch), so data errors surface before training; the rest is pure.
+"""SFT batches from JSONL sources. Side effects: `load_jsonl_data` reads and tokenizes the sources
+once, so data errors surface before training; the rest is pure.
 
 Every rank plans each global step identically (fnt.data.packing), then materializes only its own
-rows: rank r gets rows r * per_rank .. (r + 1) * per_rank - 1 with per_rank = batch_size // dp_size,
-split into micro-batches of micro_batch_size rows. The data position in each batch is therefore
-global and the same on every rank.
+rows (`rank_share`), split into micro-batches of micro_batch_size rows. The data position in each
+batch is therefore global and the same on every rank, and a step's batch is a pure function of the
+position it starts at.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 from fnt.batch import DataPosition, SftBatch
 from fnt.data.corpus import Corpus
 from fnt.data.load import Source, load_corpus
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
+from fnt.parallel import rank_share
+from fnt.tokenizer import pad_token_id
 
 
 class DataConfig(Protocol):
@@ -24,7 +27,43 @@ class DataConfig(Protocol):
     shuffle: bool
 
 
-def sft_batches(
+@dataclass(frozen=True)
+class JsonlData:
+    """A tokenized corpus, its sample order and this rank's batch layout."""
+
+    corpus: Corpus
+    order: SampleOrder
+    seq_len: int
+    batch_size: int
+    """Rows per step over all ranks."""
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    pad_token_id: int
+
+    def __post_init__(self) -> None:
+        check_batch_layout(
+            self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
+        )
+
+    def batch(self, start: DataPosition) -> SftBatch:
+        """This rank's batch of the step that starts at `start`; it ends at `data_after`."""
+        self.order.check(start)
+        plan = plan_step(
+            self.order, start, self.corpus.length, seq_len=self.seq_len, batch_size=self.batch_size
+        )
+        return rank_batch(
+            plan,
+            self.corpus,
+            seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            pad_token_id=self.pad_token_id,
+        )
+
+
+def load_jsonl_data(
     data_cfg: DataConfig,
     tokenizer,
     *,
@@ -34,15 +73,10 @@ def sft_batches(
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
-    start: DataPosition = DataPosition(),
-) -> Iterator[SftBatch]:
-    """This rank's batches from start on, endlessly (epochs wrap); batch k ends at data_after."""
+) -> JsonlData:
+    """Read and tokenize the sources; the batch layout is checked before any file is read."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    pad_token_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    if pad_token_id is None:
-        raise ValueError("the tokenizer has neither a pad token nor an eos token to pad rows with")
+    pad = pad_token_id(tokenizer)
     corpus = load_corpus(data_cfg.sources, tokenizer, seq_len=seq_len, overlong=data_cfg.overlong)
     order = SampleOrder(
         source_sizes=corpus.source_sizes,
@@ -50,51 +84,9 @@ def sft_batches(
         seed=seed,
         shuffle=data_cfg.shuffle,
     )
-    return iter_sft_batches(
-        corpus,
-        order,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        pad_token_id=pad_token_id,
-        start=start,
+    return JsonlData(
+        corpus, order, seq_len, batch_size, micro_batch_size, dp_rank, dp_size, pad_token_id=pad
     )
-
-
-def iter_sft_batches(
-    corpus: Corpus,
-    order: SampleOrder,
-    *,
-    seq_len: int,
-    batch_size: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-    pad_token_id: int,
-    start: DataPosition,
-) -> Iterator[SftBatch]:
-    """The batch stream over a tokenized corpus; arguments are checked before the first batch."""
-    check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    order.check(start)
-
-    def batches() -> Iterator[SftBatch]:
-        position = start
-        while True:
-            plan = plan_step(order, position, corpus.length, seq_len=seq_len, batch_size=batch_size)
-            yield rank_batch(
-                plan,
-                corpus,
-                seq_len=seq_len,
-                micro_batch_size=micro_batch_size,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                pad_token_id=pad_token_id,
-            )
-            position = plan.data_after
-
-    return batches()
 
 
 def rank_batch(
@@ -108,8 +100,7 @@ def rank_batch(
     pad_token_id: int,
 ) -> SftBatch:
     """This rank's share of a planned step, as micro-batches, with the step's data metrics."""
-    per_rank = len(plan.rows) // dp_size
-    rows = plan.rows[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    rows = rank_share(plan.rows, dp_rank, dp_size, what="rows per step")
     micro_batches = tuple(
         pack_rows(
             [
@@ -119,7 +110,7 @@ def rank_batch(
             seq_len=seq_len,
             pad_token_id=pad_token_id,
         )
-        for i in range(0, per_rank, micro_batch_size)
+        for i in range(0, len(rows), micro_batch_size)
     )
     return SftBatch(
         micro_batches=micro_batches,

@@ -2,7 +2,7 @@
 
 Side effects: ``CPUAdamW.step`` updates parameters and optimizer state in place;
 ``CPUAdamW(impl="native")`` compiles the C++ kernel on first use in a process (see
-``fnt.optim._native``). ``adamw_reference_`` updates the tensors it is given in place.
+``fnt.native.build``). ``adamw_reference_`` updates the tensors it is given in place.
 
 The update is decoupled-weight-decay AdamW with bias correction, computed in float32 with the
 operation order of ``torch.optim.AdamW(fused=True)``:
@@ -58,7 +58,7 @@ def adamw_reference_(
 
     Increments each ``steps`` counter. Where ``masters[i]`` is a tensor the update runs on it and
     ``params[i]`` receives the rounded result; otherwise ``params[i]`` (float32) is updated.
-    Rounding matches the kernel step for step (see native/adamw.cpp), including the last
+    Rounding matches the kernel step for step (see fnt/native/adamw.cpp), including the last
     ``numel % 8`` elements in memory order, where torch's fused kernel, and so ours, forms a
     different fma for ``exp_avg_sq``.
     """
@@ -132,6 +132,18 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "impl": self.impl}
+
+    def init_state_(self) -> None:
+        """Give every param its full state now (zero moments, step 0), as its first step would.
+
+        A checkpoint load fills only the state entries that exist, and torch's state-dict helpers
+        initialise an optimizer's state only when it is entirely empty; a state holding just the
+        primed masters (fnt.optim.setup.apply_compute_dtype_) needs this instead.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "exp_avg" not in self.state[p]:
+                    _init_state_(p, self.state[p])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -32,8 +32,9 @@ the same keys, whatever the offload mode it was written with:
 - In a single process with ``full``, `apply_compute_dtype_` makes the model's state dict report
   the float32 masters instead of the low-precision parameters, and drops ``master`` from the
   optimizer's, so the master, the source of truth, is what is saved.
-- Loading happens before the cast (`apply_compute_dtype_` runs after any checkpoint load), into
-  float32 parameters, and the cast then primes the masters from those float32 weights.
+- Loading after the cast goes the other way (hooks of `apply_compute_dtype_`): the checkpoint's
+  float32 weights are copied into the masters, the parameters get them rounded, and the
+  optimizer's loaded state keeps those masters.
 So a run saved with offload resumes without it and the other way round, bit for bit in the
 weights: full -> none restores the float32 weights from the masters; none -> full primes the
 masters from the float32 weights. Independently of DCP, `CPUAdamW.load_state_dict` copies a
@@ -48,7 +49,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from fnt.config import ConfigError, ModelConfig, OptimConfig
+from fnt.config import ConfigError, OptimConfig
 from fnt.optim.adamw import CPUAdamW
 
 
@@ -126,10 +127,13 @@ def fp32_module_names(param_names: list[str], patterns: tuple[str, ...]) -> list
     return list(dict.fromkeys(name.rpartition(".")[0] for name in matches))
 
 
-def setup_optimizer(
-    optim_config: OptimConfig, model: nn.Module, parallel_dims: Any, model_config: ModelConfig
-) -> torch.optim.Optimizer:
-    """AdamW (torch's or the CPU one) or SGD over the model's trainable parameters."""
+def setup_optimizer(optim_config: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (torch's or the CPU one) or SGD over the model's trainable parameters.
+
+    The offload plan is not decided here but in `offload_plan`, which `setup_trainer` calls: the
+    NUMA binding must precede the thread setup, and FSDP2 needs the offload and mixed-precision
+    policies when it shards the model, before the optimizer can exist.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     if optim_config.name == "sgd":
         if optim_config.impl != "torch":
@@ -164,12 +168,14 @@ def apply_compute_dtype_(
     model: nn.Module, optimizer: torch.optim.Optimizer, plan: OffloadPlan
 ) -> None:
     """Single-process full offload: cast float32 parameters to the compute dtype, after priming
-    the CPU AdamW's masters with their float32 values. Call after any checkpoint load.
+    the CPU AdamW's masters with their float32 values.
 
     Modules owning a keep_fp32 parameter stay float32 and cast floating inputs to float32, as
     their FSDP2 units do under torchrun. From here on the model's state dict reports the masters
     as its weights and the optimizer's omits ``master``, so checkpoints hold float32 weights
-    (see the module docstring). No-op unless ``plan.cast_params``.
+    (see the module docstring); loading a state dict does the reverse: the float32 weights become
+    the masters (the parameters get them rounded) and the optimizer keeps those masters. No-op
+    unless ``plan.cast_params``.
     """
     if not plan.cast_params:
         return
@@ -183,6 +189,7 @@ def apply_compute_dtype_(
         p.data = p.data.to(plan.compute_dtype)
         optimizer.state[p]["master"] = master
         masters[p] = master
+    optimizer.init_state_()
     for module_name in fp32_modules:
         model.get_submodule(module_name).register_forward_pre_hook(_float32_inputs)
 
@@ -210,8 +217,29 @@ def apply_compute_dtype_(
         }
         return state_dict
 
+    def load_masters(module, state_dict, prefix, *args):
+        # The loaded float32 weights are the truth; the parameters' own load rounds them.
+        for name, master in saved_names.items():
+            if prefix + name in state_dict:
+                master.copy_(state_dict[prefix + name])
+
+    params_in_order = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def keep_masters(opt, state_dict):
+        # Without this the CPU AdamW would prime fresh masters from the rounded parameters. The
+        # saved ids (ints, or names from torch's state-dict helpers) list params in group order.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        by_id = {i: masters[p] for i, p in zip(saved_ids, params_in_order) if p in masters}
+        state_dict["state"] = {
+            i: {**st, "master": by_id[i]} if i in by_id else st
+            for i, st in state_dict["state"].items()
+        }
+        return state_dict
+
     model.register_state_dict_post_hook(report_masters)
+    model.register_load_state_dict_pre_hook(load_masters)
     optimizer.register_state_dict_post_hook(drop_masters)
+    optimizer.register_load_state_dict_pre_hook(keep_masters)
 
 
 def _float32_inputs(module: nn.Module, args: tuple) -> tuple:

@@ -2,16 +2,16 @@
 Pure except the engine (fnt.rollout.engine), which loads a model copy, syncs it from the policy,
 generates and all-reduces metrics, and load_prompts, which reads the prompts file.
 
-    load_prompts, prompt_order, step_prompts, rank_share (prompts)
+    load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.parallel)
     -> generate (generate) -> score (engine, with fnt.rewards) -> group_advantages (advantages)
-    -> pack_rollouts (pack) -> RLBatch per rank (engine.rl_batches)
+    -> pack_rollouts (pack) -> RLBatch per rank (InProcessEngine.rollout)
 """
 
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.engine import (
     InProcessEngine,
     check_prompt_lengths,
-    rl_batches,
+    reward_metrics,
     rollout_group,
     rollout_metrics,
     score,
@@ -23,7 +23,6 @@ from fnt.rollout.prompts import (
     load_prompts,
     prompt_messages,
     prompt_order,
-    rank_share,
     render_prompt,
     step_prompts,
 )
@@ -41,9 +40,8 @@ __all__ = [
     "pack_rollouts",
     "prompt_messages",
     "prompt_order",
-    "rank_share",
     "render_prompt",
-    "rl_batches",
+    "reward_metrics",
     "rollout_group",
     "rollout_metrics",
     "sampling_seed",

@@ -1,7 +1,6 @@
-"""The in-process rollout engine and the RL batch stream. Side effects: loads an unsharded
-inference copy of the model, copies the live policy's weights into it before every rollout (a
-collective under FSDP2), reads the prompts file, generates, and all-reduces the rollout metrics
-across ranks when distributed.
+"""The in-process rollout engine. Side effects: loads an unsharded inference copy of the model,
+copies the live policy's weights into it before every rollout (a collective under FSDP2), reads
+the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed.
 
 One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
@@ -21,40 +20,68 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fnt.batch import RLBatch
-from fnt.config import ConfigError, ModelConfig, RolloutConfig, validate_rollout
+from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
-from fnt.model import DTYPES
+from fnt.model import load_hf_model
+from fnt.parallel import rank_bounds, rank_share
 from fnt.rewards import RewardFn, reward_function
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, pack_rollouts
-from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, rank_share, step_prompts
+from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
+from fnt.setup import Runtime
 from fnt.state import TrainState
+from fnt.tokenizer import load_tokenizer, pad_token_id
 from fnt.update import all_reduce_sum
 
 
 class InProcessEngine:
-    """An unsharded inference copy of the policy, in eval mode, to generate rollouts with."""
+    """Generates each step's rollouts with an unsharded inference copy of the policy.
 
-    def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
+    Built once per run (it reads the tokenizer, the prompts and the reward, and loads the copy,
+    so setup errors surface before the first step); `rollout(state)` then makes the rollouts of
+    update state.progress.step + 1 from the weights `state` holds.
+    """
 
-        hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(
-            model_config.name,
-            dtype=DTYPES[model_config.dtype],
-            attn_implementation=model_config.attn_implementation,
+    def __init__(self, config: RLConfig, runtime: Runtime) -> None:
+        rollout = config.rollout
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        if rollout.engine != "in_process":
+            raise ConfigError(
+                f"'rollout.engine' = {rollout.engine!r}: InProcessEngine runs the in-process "
+                "engine only"
+            )
+        validate_rollout(rollout, dp_size=dp_size)
+        check_batch_layout(
+            config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
         )
-        self.model: nn.Module = model.to(device).eval().requires_grad_(False)
+        self.config, self.runtime = config, runtime
+        self.reward_fn = reward_function(rollout.reward)
+        self.tokenizer = load_tokenizer(config.model.name)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"the tokenizer of {config.model.name} has no eos token to stop generation at"
+            )
+        self.pad_token_id = pad_token_id(self.tokenizer)
+        self.prompts = load_prompts(rollout.prompts, self.tokenizer)
+        check_prompt_lengths(
+            self.prompts,
+            rollout.prompts,
+            max_new_tokens=rollout.max_new_tokens,
+            seq_len=config.seq_len,
+        )
+        self.order = prompt_order(len(self.prompts), config.seed)
+        self.model: nn.Module = (
+            load_hf_model(config.model, runtime.device).eval().requires_grad_(False)
+        )
 
     def sync_weights_(self, policy: nn.Module) -> None:
         """Load the live policy's weights into the copy; every rank calls it at the same point."""
@@ -62,6 +89,53 @@ class InProcessEngine:
 
         full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
         self.model.load_state_dict(full)
+
+    def rollout(self, state: TrainState) -> RLBatch:
+        """This rank's RL batch for update state.progress.step + 1, sampled from the policy's
+        weights as `state` has them (the copy is synced first; a collective under FSDP2)."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        step, position = state.progress.step + 1, state.progress.data
+        self.order.check(position)
+        started = time.perf_counter()
+        self.sync_weights_(state.handles.model)
+        prompt_ids, after = step_prompts(self.order, position, rollout.prompts_per_step)
+        lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
+        samples: list[RolloutSample] = []
+        for i, prompt_id in enumerate(
+            rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
+        ):
+            generator = torch.Generator(device=runtime.device).manual_seed(
+                sampling_seed(config.seed, step, lo + i)
+            )
+            samples += rollout_group(
+                self.model,
+                self.prompts[prompt_id],
+                self.tokenizer,
+                self.reward_fn,
+                rollout,
+                generator,
+            )
+        micro_batches = pack_rollouts(
+            samples,
+            num_rows=config.batch_size // dp_size,
+            seq_len=config.seq_len,
+            micro_batch_size=config.micro_batch_size,
+            temperature=rollout.temperature,
+            pad_token_id=self.pad_token_id,
+        )
+        metrics = rollout_metrics(
+            samples,
+            time.perf_counter() - started,
+            distributed=runtime.distributed,
+            device=runtime.device,
+        )
+        return RLBatch(
+            micro_batches=micro_batches,
+            num_samples=len(samples),
+            data_after=after,
+            metrics=metrics,
+        )
 
 
 def check_prompt_lengths(
@@ -130,6 +204,12 @@ def rollout_group(
     ]
 
 
+def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:
+    """reward/mean and reward/std (population) from the count, sum and sum of squares. Pure."""
+    mean = reward_sum / count
+    return {"reward/mean": mean, "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0))}
+
+
 def rollout_metrics(
     samples: Sequence[RolloutSample], seconds: float, *, distributed: bool, device: torch.device
 ) -> dict[str, float]:
@@ -157,88 +237,10 @@ def rollout_metrics(
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     count, reward_sum, reward_sq, tokens, truncated = sums.tolist()
     seconds = float(wall)
-    mean = reward_sum / count
     return {
-        "reward/mean": mean,
-        "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0)),
+        **reward_metrics(count, reward_sum, reward_sq),
         "time/rollout": seconds,
         "rollout/tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "rollout/completion_len/mean": tokens / count,
         "rollout/truncated_fraction": truncated / count,
     }
-
-
-def rl_batches(state: TrainState) -> Iterator[RLBatch]:
-    """This rank's RL batches for steps progress.step + 1, + 2, ... from the in-process engine.
-
-    Reads the tokenizer (config.model.name), the prompts and the reward, and loads the inference
-    copy when called, so setup errors surface before the first step. Each batch is generated
-    when it is pulled, with the policy as it is then (after the previous update).
-    """
-    from transformers import AutoTokenizer
-
-    config, runtime = state.config, state.handles.runtime
-    rollout: RolloutConfig = config.rollout
-    dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-    if rollout.engine != "in_process":
-        raise ConfigError(
-            f"'rollout.engine' = {rollout.engine!r}: rl_batches runs the in-process engine only"
-        )
-    validate_rollout(rollout, dp_size=dp_size)
-    check_batch_layout(config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    reward_fn = reward_function(rollout.reward)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"the tokenizer of {config.model.name} has no eos token to stop generation at"
-        )
-    pad_token_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    prompts = load_prompts(rollout.prompts, tokenizer)
-    check_prompt_lengths(
-        prompts, rollout.prompts, max_new_tokens=rollout.max_new_tokens, seq_len=config.seq_len
-    )
-    order = prompt_order(len(prompts), config.seed)
-    order.check(state.progress.data)
-    engine = InProcessEngine(config.model, runtime.device)
-    policy = state.handles.model
-
-    def batches() -> Iterator[RLBatch]:
-        step, position = state.progress.step, state.progress.data
-        per_rank = rollout.prompts_per_step // dp_size
-        while True:
-            step += 1
-            started = time.perf_counter()
-            engine.sync_weights_(policy)
-            prompt_ids, after = step_prompts(order, position, rollout.prompts_per_step)
-            samples: list[RolloutSample] = []
-            for i, prompt_id in enumerate(rank_share(prompt_ids, dp_rank, dp_size)):
-                seed = sampling_seed(config.seed, step, dp_rank * per_rank + i)
-                generator = torch.Generator(device=runtime.device).manual_seed(seed)
-                samples += rollout_group(
-                    engine.model, prompts[prompt_id], tokenizer, reward_fn, rollout, generator
-                )
-            micro_batches = pack_rollouts(
-                samples,
-                num_rows=config.batch_size // dp_size,
-                seq_len=config.seq_len,
-                micro_batch_size=config.micro_batch_size,
-                temperature=rollout.temperature,
-                pad_token_id=pad_token_id,
-            )
-            metrics = rollout_metrics(
-                samples,
-                time.perf_counter() - started,
-                distributed=runtime.distributed,
-                device=runtime.device,
-            )
-            yield RLBatch(
-                micro_batches=micro_batches,
-                num_samples=len(samples),
-                data_after=after,
-                metrics=metrics,
-            )
-            position = after
-
-    return batches()

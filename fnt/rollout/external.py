@@ -14,23 +14,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.checkpoint import cleanup_checkpoints_
-from fnt.data import check_batch_layout
+from fnt.config import RLConfig
+from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
-from fnt.resume import COMPLETE_MARKER
+from fnt.parallel import rank_share
+from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
 from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.setup import Runtime
 from fnt.state import TrainState
+from fnt.tokenizer import load_tokenizer, pad_token_id
+from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
 
 ROLLOUTS_DIR = "rollouts"
 WEIGHTS_DIR = "weights"
@@ -148,84 +150,80 @@ def read_rollouts(path: Path) -> tuple[list[RolloutSample], float, bool]:
 
 def rank_samples(
     samples: list[RolloutSample], dp_rank: int, dp_size: int, where: Path
-) -> list[RolloutSample]:
-    """The contiguous share of rank dp_rank; the count must divide evenly. Pure."""
-    if len(samples) % dp_size:
-        raise DataError(
-            f"{where}: {len(samples)} samples do not split evenly over "
-            f"{dp_size} data-parallel ranks"
-        )
-    per_rank = len(samples) // dp_size
-    return samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+) -> tuple[RolloutSample, ...]:
+    """Rank dp_rank's contiguous share of a step's samples; DataError naming the file when they
+    do not split evenly. Pure."""
+    try:
+        return rank_share(samples, dp_rank, dp_size, what="samples")
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
 
 
 def external_metrics(samples: list[RolloutSample], waited: float) -> dict[str, float]:
     """reward/mean, reward/std, time/rollout and rollout/completion_len/mean of a step. Pure."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float64)
+    rewards = [s.reward for s in samples]
+    lengths = [len(s.completion.token_ids) for s in samples]
     return {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(unbiased=False)),
+        **reward_metrics(len(rewards), math.fsum(rewards), math.fsum(r * r for r in rewards)),
         "time/rollout": waited,
-        "rollout/completion_len/mean": float(lengths.mean()),
+        "rollout/completion_len/mean": sum(lengths) / len(lengths),
     }
 
 
-def external_batches(state: TrainState) -> Iterator[RLBatch]:
-    """This rank's RL batches for steps progress.step + 1, ... read from the orchestrator's files.
+class ExternalRollouts:
+    """Reads each step's rollouts from the orchestrator's files; built once per run.
 
-    Publishes the starting policy first, so an orchestrator can always load weights/step_{N-1}
-    before writing rollouts/step_N.
+    `rollout(state)` waits for rollouts/step_{state.progress.step + 1}/ and returns this rank's
+    share. Publishing the policy is `publish_weights_`, which the driver calls for every state it
+    reaches (the start state included), so the orchestrator always has weights to load.
     """
-    from transformers import AutoTokenizer
 
-    config, runtime = state.config, state.handles.runtime
-    dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-    check_batch_layout(config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    tokenizer = AutoTokenizer.from_pretrained(config.model.name)
-    pad_token_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    publish_weights_(state)
+    def __init__(self, config: RLConfig, runtime: Runtime) -> None:
+        check_batch_layout(
+            config.batch_size,
+            config.micro_batch_size,
+            dp_rank=runtime.dp_rank,
+            dp_size=runtime.dims.dp,
+        )
+        self.config, self.runtime = config, runtime
+        self.pad_token_id = pad_token_id(load_tokenizer(config.model.name))
 
-    def batches() -> Iterator[RLBatch]:
-        step, cursor = state.progress.step, state.progress.data.cursor
-        while True:
-            step += 1
-            path = rollout_dir(config.output_dir, step)
-            started = time.perf_counter()
-            wait_for_rollouts(path, config.rollout.timeout_s)
-            samples, temperature, has_logprobs = read_rollouts(path)
-            mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
-            micro_batches = pack_rollouts(
-                mine,
-                num_rows=config.batch_size // dp_size,
-                seq_len=config.seq_len,
-                micro_batch_size=config.micro_batch_size,
-                temperature=temperature,
-                pad_token_id=pad_token_id,
+    def rollout(self, state: TrainState) -> RLBatch:
+        """This rank's RL batch for update state.progress.step + 1 (blocks until it exists)."""
+        config, runtime = self.config, self.runtime
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        path = rollout_dir(config.output_dir, state.progress.step + 1)
+        started = time.perf_counter()
+        wait_for_rollouts(path, config.rollout.timeout_s)
+        samples, temperature, has_logprobs = read_rollouts(path)
+        mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
+        micro_batches = pack_rollouts(
+            mine,
+            num_rows=config.batch_size // dp_size,
+            seq_len=config.seq_len,
+            micro_batch_size=config.micro_batch_size,
+            temperature=temperature,
+            pad_token_id=self.pad_token_id,
+        )
+        if not has_logprobs:
+            micro_batches = tuple(
+                dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches
             )
-            if not has_logprobs:
-                micro_batches = tuple(
-                    dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches
-                )
-            cursor += len(samples)
-            yield RLBatch(
-                micro_batches=micro_batches,
-                num_samples=len(mine),
-                data_after=DataPosition(epoch=0, cursor=cursor),
-                metrics=external_metrics(samples, time.perf_counter() - started),
-            )
-
-    return batches()
+        return RLBatch(
+            micro_batches=micro_batches,
+            num_samples=len(mine),
+            data_after=DataPosition(epoch=0, cursor=state.progress.data.cursor + len(samples)),
+            metrics=external_metrics(samples, time.perf_counter() - started),
+        )
 
 
 def publish_weights_(state: TrainState) -> Optional[Path]:
     """Write the current policy to weights/step_{progress.step}/ as a transaction; keep the newest.
 
     Every rank takes part in gathering the full state dict (a collective under FSDP2); rank 0
-    writes `step_N.partial/`, then `COMPLETE`, renames it to `step_N` and prunes older complete
-    directories beyond rollout.keep_weights. Returns the directory on rank 0, None elsewhere.
+    writes the Hugging Face directory through fnt.transaction and prunes older complete
+    directories beyond rollout.keep_weights. A resumed run republishes the step it resumed from,
+    replacing that directory. Returns the directory on rank 0, None elsewhere.
     """
     config, runtime, model = state.config, state.handles.runtime, state.handles.model
     full = get_model_state_dict(
@@ -233,17 +231,10 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     )
     if not runtime.is_main:
         return None
-    from transformers import AutoTokenizer
-
     final = weights_dir(config.output_dir, state.progress.step)
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = begin_dir_(final)
     model.save_pretrained(partial, state_dict=full, safe_serialization=True)
-    AutoTokenizer.from_pretrained(config.model.name).save_pretrained(partial)
-    (partial / COMPLETE_MARKER).write_text(f"step {state.progress.step}\n")
-    if final.exists():  # a resumed run republishes the step it resumed from
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    load_tokenizer(config.model.name).save_pretrained(partial)
+    commit_dir_(partial, final, f"step {state.progress.step}\n", replace=True)
     cleanup_checkpoints_(final.parent, config.rollout.keep_weights)
     return final

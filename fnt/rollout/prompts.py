@@ -8,7 +8,7 @@ continues with the assistant's answer. Every field of the record stays available
 Order: the prompts of epoch e are a permutation seeded by (seed, e) (fnt.data.order with one
 source), so the prompt at a data position (epoch, cursor) is a pure function of (seed, epoch,
 cursor). Step N takes the next prompts_per_step prompts of that order, wrapping into the next epoch,
-and rank r takes the r-th contiguous share of them.
+and rank r takes the r-th contiguous share of them (fnt.parallel.rank_share).
 """
 
 from __future__ import annotations
@@ -106,14 +106,3 @@ def step_prompts(
         raise ValueError(f"a step takes at least one prompt, got count={count}")
     taken = list(itertools.islice(order.iter_from(start), count + 1))
     return tuple(prompt_id for _, prompt_id in taken[:count]), taken[count][0]
-
-
-def rank_share(items: Sequence[Any], dp_rank: int, dp_size: int) -> tuple[Any, ...]:
-    """Rank dp_rank's contiguous share of a step's items; their number must divide by dp_size."""
-    if len(items) % dp_size:
-        raise ValueError(
-            f"{len(items)} prompts per step do not split evenly over {dp_size} data-parallel "
-            f"ranks: make rollout.prompts_per_step a multiple of {dp_size}"
-        )
-    per_rank = len(items) // dp_size
-    return tuple(items[dp_rank * per_rank : (dp_rank + 1) * per_rank])

@@ -2,7 +2,8 @@
 
 For steps 1..N it waits for the trainer's weights/step_{N-1}, loads them with transformers,
 samples completions, scores them, and writes rollouts/step_N. It knows the protocol only through
-the files; fnt's generate() is used merely as a convenient sampler. Prints one JSON line at the
+the files; fnt's generate() is used merely as a convenient sampler, and fnt.transaction writes the
+rollout directory (files, then COMPLETE, then the rename, all fsynced). Prints one JSON line at the
 end with what it saw.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt.rollout import generate
+from fnt.transaction import begin_dir_, commit_dir_
 
 
 def wait_for(path: Path, timeout: float = 120.0) -> None:
@@ -62,8 +63,7 @@ def main() -> None:
         rewards = [float(sum(c.token_ids) % 5) for c in completions]  # varies, so advantages do
         mean = sum(rewards) / len(rewards)
         out = args.run / "rollouts" / f"step_{step}"
-        partial = out.with_name(out.name + ".partial")
-        partial.mkdir(parents=True)
+        partial = begin_dir_(out)
         with open(partial / "samples.jsonl", "w") as fh:
             for c, r in zip(completions, rewards):
                 fh.write(
@@ -79,8 +79,7 @@ def main() -> None:
                     )
                     + "\n"
                 )
-        (partial / "COMPLETE").write_text("")
-        os.replace(partial, out)
+        commit_dir_(partial, out)
         seen.append({"step": step, "weights": step - 1, "sha": digest})
     print(json.dumps({"seen": seen}), flush=True)
 

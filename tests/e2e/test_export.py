@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt.checkpoint import save_checkpoint
+from fnt.data.synthetic import synthetic_rows
 from fnt.loop import fold
-from fnt.synthetic import synthetic_rows
 from steps.sft import sft_step
 from tests.e2e.helpers import run_script
 from tests.steps.test_sft import batch_of, make_state
@@ -19,7 +19,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     """A model trained 3 steps in process, its checkpoint, and its logits on a probe batch."""
     state = make_state(tiny_model_dir)
     rows, _ = synthetic_rows(seed=5, step=1, num_rows=4, seq_len=32)
-    for state, _ in fold(state, [batch_of(rows, 2)] * 3, sft_step):
+    for state, _ in fold(state, lambda _: batch_of(rows, 2), sft_step, 3):
         pass
     root = tmp_path_factory.mktemp("export") / "checkpoints"
     ckpt = save_checkpoint(

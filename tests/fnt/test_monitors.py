@@ -309,7 +309,7 @@ def test_wandb_failure_never_costs_the_jsonl_row(wandb_env):
     config = Config(output_dir=str(wandb_env / "run"), wandb=WandbConfig(mode="bogus"))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        monitors = open_monitors(config, start_step=0, console=False)
+        monitors = open_monitors(config, start_step=0)
         monitors.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
         monitors.close()
     assert read_metrics(config.output_dir) == [{"step": 1, "time": 0.0, "loss/mean": 1.0}]

@@ -1,8 +1,9 @@
-"""The README's config-key table is generated from the dataclasses and must stay current."""
+"""The README's generated tables (config keys, public API) must stay current."""
 
-from scripts.update_readme_keys import README, with_keys
+from scripts.update_readme import README, with_tables
 
 
-def test_readme_lists_every_config_key():
+def test_readme_tables_are_current():
     text = README.read_text()
-    assert text == with_keys(text), "run: python scripts/update_readme_keys.py"
+    assert "<!-- api:start -->" in text and "<!-- config-keys:start -->" in text
+    assert text == with_tables(text), "run: python scripts/update_readme.py"

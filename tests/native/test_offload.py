@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from fnt.batch import DataPosition, SftBatch
-from fnt.checkpoint import save_checkpoint
 from fnt.config import Config, ConfigError, ModelConfig, OptimConfig
-from fnt.loop import build_state, ckpt_root, fold
+from fnt.data.synthetic import synthetic_rows, take_rows
+from fnt.loop import fold, save_state, start_state
 from fnt.optim.adamw import CPUAdamW
 from fnt.optim.offload import node_cpus, numa_binding, numa_node_of, parse_cpulist
 from fnt.optim.setup import fp32_module_names, offload_plan
 from fnt.setup import setup_trainer
-from fnt.synthetic import synthetic_rows, take_rows
 from steps.sft import sft_step
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -152,20 +151,19 @@ def make_state(model_dir, out, resume=None, **optim):
         output_dir=str(out),
         resume=resume,
     )
-    state, _ = build_state(config, setup_trainer(config))
-    return state
+    return start_state(config, setup_trainer(config))
 
 
-def batches(first: int, last: int):
-    for step in range(first, last + 1):
-        rows, docs = synthetic_rows(seed=0, step=step, num_rows=4, seq_len=32)
-        micro = (take_rows(rows, 0, 2), take_rows(rows, 2, 4))
-        yield SftBatch(micro_batches=micro, num_samples=sum(docs), data_after=DataPosition())
+def fixed_source(state):
+    rows, docs = synthetic_rows(seed=0, step=state.progress.step + 1, num_rows=4, seq_len=32)
+    micro = (take_rows(rows, 0, 2), take_rows(rows, 2, 4))
+    return SftBatch(micro_batches=micro, num_samples=sum(docs), data_after=DataPosition())
 
 
 def train(state, first: int, last: int):
+    assert state.progress.step == first - 1
     losses = []
-    for state, metrics in fold(state, batches(first, last), sft_step):
+    for state, metrics in fold(state, fixed_source, sft_step, last - first + 1):
         losses.append(float(metrics["loss/mean"]))
     return state, losses
 
@@ -219,23 +217,11 @@ def test_keep_fp32_routers_stay_float32_and_train(tiny_moe_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
-def save(state):
-    save_checkpoint(
-        ckpt_root(state.config),
-        state.progress,
-        state.handles.model,
-        state.handles.optimizer,
-        model_name=state.config.model.name,
-        rank=0,
-        distributed=False,
-    )
-
-
 def test_resume_across_offload_modes_keeps_the_float32_weights(tiny_model_dir, tmp_path):
     # full (bf16 params, fp32 masters) for 3 steps, saved...
     full = make_state(tiny_model_dir, tmp_path, impl="native", offload="full")
     full, _ = train(full, 1, 3)
-    save(full)
+    save_state(full)
     masters = {
         name: full.handles.optimizer.state[p]["master"].clone()
         for name, p in full.handles.model.named_parameters()
@@ -253,7 +239,7 @@ def test_resume_across_offload_modes_keeps_the_float32_weights(tiny_model_dir, t
         st = plain.handles.optimizer.state[p]
         assert "master" not in st and torch.equal(st["exp_avg_sq"], moments[name]), name
     plain, _ = train(plain, 4, 5)
-    save(plain)
+    save_state(plain)
     weights = {n: p.detach().clone() for n, p in plain.handles.model.named_parameters()}
 
     # ...and back to full: masters primed from the float32 weights, params rounded from them.

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
+from fnt import fold, init_state, sft_source
 from fnt.config import Config, ModelConfig
-from fnt.loop import build_state, fold
 from fnt.setup import setup_trainer, teardown_trainer
-from fnt.synthetic import synthetic_batches
 from steps.sft import sft_step
 
 
@@ -46,23 +45,18 @@ def main(model_dir: str, out_dir: str) -> None:
         model=ModelConfig(name=model_dir), max_steps=2, batch_size=4, micro_batch_size=1, seq_len=32
     )
     runtime = setup_trainer(config)
-    state, _ = build_state(config, runtime)
+    state = init_state(config, runtime)
     forwards = poison_first_call_(state.handles.model, enabled=runtime.rank == 0)
-    batches = synthetic_batches(
-        seed=0,
-        start_step=0,
-        start=state.progress.data,
-        batch_size=4,
-        micro_batch_size=1,
-        seq_len=32,
-        dp_rank=runtime.dp_rank,
-        dp_size=runtime.dims.dp,
-    )
-    step1, step2 = next(batches), next(batches)
-    if runtime.rank == 1:
-        step2 = without_loss_at_the_end(step2)
+
+    def source(state):
+        # Rank 1's second step ends with a micro-batch without loss tokens.
+        batch = sft_source(state)
+        if runtime.rank == 1 and state.progress.step == 1:
+            return without_loss_at_the_end(batch)
+        return batch
+
     rows = []
-    for state, metrics in fold(state, [step1, step2], sft_step):
+    for state, metrics in fold(state, source, sft_step, 2):
         rows.append({k: float(v) for k, v in metrics.items() if k.startswith(("loss/", "optim/"))})
     finite = all(
         bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all())

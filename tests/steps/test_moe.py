@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fnt.data.synthetic import synthetic_rows
 from fnt.moe import moe_metrics, router_stats
 from fnt.monitors import read_metrics
-from fnt.synthetic import synthetic_rows
 from steps.sft import sft_step
 from tests.e2e.helpers import run_script
 from tests.steps.test_sft import batch_of, make_state

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fnt.synthetic import synthetic_rows
+from fnt.data.synthetic import synthetic_rows
 from steps.sft import sft_step
 from tests.e2e.helpers import run_script
 from tests.steps.test_sft import batch_of, make_state

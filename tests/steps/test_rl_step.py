@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
+from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
-from fnt.loop import build_state, fold
+from fnt.data.synthetic import take_rows
 from fnt.setup import setup_trainer
-from fnt.synthetic import take_rows
 from fnt.update import accumulate_gradients_, packed_logits
 from steps.rl import rl_loss, rl_step
 
@@ -38,7 +38,7 @@ def make_state(model_dir, lr=1e-2, loss=RLLossConfig()):
         seq_len=T,
         loss=loss,
     )
-    state, _ = build_state(config, setup_trainer(config))
+    state = init_state(config, setup_trainer(config))
     return state
 
 
@@ -119,7 +119,7 @@ def test_positive_advantage_completions_become_more_likely(tiny_model_dir):
     state = make_state(tiny_model_dir, lr=1e-2)
     model, rows = state.handles.model, random_rows(2)
     before = [completion_logprob(model, rows, r) for r in range(ROWS)]
-    for state, _ in fold(state, [rl_batch(rows)] * 4, rl_step):
+    for state, _ in fold(state, lambda _: rl_batch(rows), rl_step, 4):
         pass
     after = [completion_logprob(model, rows, r) for r in range(ROWS)]
     for r, advantage in enumerate(ADVANTAGES):

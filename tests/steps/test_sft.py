@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from fnt import fold, init_state
 from fnt.batch import DataPosition, SftBatch
 from fnt.config import Config, ModelConfig, OptimConfig
-from fnt.loop import build_state, fold
+from fnt.data.synthetic import synthetic_rows, take_rows
 from fnt.setup import setup_trainer
 from fnt.state import StaleStateError
-from fnt.synthetic import synthetic_rows, take_rows
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss, sft_step
 
@@ -26,7 +26,7 @@ def make_state(model_dir, **overrides):
         **overrides,
     )
     runtime = setup_trainer(config)
-    state, _ = build_state(config, runtime)
+    state = init_state(config, runtime)
     return state
 
 
@@ -41,7 +41,7 @@ def test_loss_falls_over_20_steps_on_a_fixed_batch(tiny_model_dir):
     rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
     batch = batch_of(rows, micro_batch_size=2)
     losses = []
-    for state, metrics in fold(state, [batch] * 20, sft_step):
+    for state, metrics in fold(state, lambda _: batch, sft_step, 20):
         losses.append(float(metrics["loss/mean"]))
     assert state.progress.step == 20
     assert losses[-1] < 0.5 * losses[0], losses
@@ -129,11 +129,11 @@ def three_step_losses(model_dir, **model_overrides):
     config = dataclasses.replace(
         state.config, model=dataclasses.replace(state.config.model, **model_overrides)
     )
-    state, _ = build_state(config, state.handles.runtime)
+    state = init_state(config, state.handles.runtime)
     rows, _ = synthetic_rows(seed=1, step=1, num_rows=4, seq_len=32)
     batch = batch_of(rows, micro_batch_size=2)
     losses = []
-    for state, metrics in fold(state, [batch] * 3, sft_step):
+    for state, metrics in fold(state, lambda _: batch, sft_step, 3):
         losses.append(float(metrics["loss/mean"]))
     return state, losses
 

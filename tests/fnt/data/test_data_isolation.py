@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.batch import PackedRows, block_causal_mask
-from fnt.data import sft_batches
+from fnt.batch import DataPosition, PackedRows, block_causal_mask
+from fnt.data import load_jsonl_data
 from fnt.update import packed_logits
 
 
@@ -29,18 +29,9 @@ def packed_rows(tmp_path_factory, tokenizer) -> PackedRows:
         overlong="truncate",
         shuffle=True,
     )
-    batch = next(
-        sft_batches(
-            data,
-            tokenizer,
-            seed=0,
-            seq_len=96,
-            batch_size=2,
-            micro_batch_size=2,
-            dp_rank=0,
-            dp_size=1,
-        )
-    )
+    batch = load_jsonl_data(
+        data, tokenizer, seed=0, seq_len=96, batch_size=2, micro_batch_size=2, dp_rank=0, dp_size=1
+    ).batch(DataPosition())
     rows = batch.micro_batches[0]
     assert (rows.document_ids.max(dim=1).values >= 2).all(), (
         "each row should hold 2+ documents and padding"

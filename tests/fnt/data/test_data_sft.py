@@ -12,26 +12,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.batch import DataPosition, SftBatch
-from fnt.data import SampleOrder, iter_sft_batches, sft_batches
+from fnt.data import JsonlData, SampleOrder, load_jsonl_data
 
 SEQ_LEN = 16
 PAD = 999
 
 
+def batches_from(data: JsonlData, start: DataPosition = DataPosition()):
+    """Step after step from `start`, each batch starting where the previous one ended."""
+    position = start
+    while True:
+        batch = data.batch(position)
+        yield batch
+        position = batch.data_after
+
+
 def stream(
     corpus, order, *, batch_size, micro_batch_size, dp_rank=0, dp_size=1, start=DataPosition()
 ):
-    return iter_sft_batches(
-        corpus,
-        order,
-        seq_len=SEQ_LEN,
-        batch_size=batch_size,
-        micro_batch_size=micro_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        pad_token_id=PAD,
-        start=start,
-    )
+    data = JsonlData(corpus, order, SEQ_LEN, batch_size, micro_batch_size, dp_rank, dp_size, PAD)
+    return batches_from(data, start)
 
 
 def all_rows(batch: SftBatch) -> dict[str, torch.Tensor]:
@@ -142,15 +142,16 @@ def write_sources(tmp_path, count_a: int, count_b: int) -> SimpleNamespace:
     )
 
 
-def test_sft_batches_reads_the_files_once_and_streams_checked_batches_over_epochs(
+def test_load_jsonl_data_reads_the_files_once_then_gives_checked_batches_over_epochs(
     tmp_path, tokenizer
 ):
     data = write_sources(tmp_path, 6, 6)
-    batches = sft_batches(
+    loaded = load_jsonl_data(
         data, tokenizer, seed=1, seq_len=64, batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1
     )
     for path in (tmp_path / "chat.jsonl", tmp_path / "pairs.jsonl"):
-        path.unlink()  # everything was read when sft_batches was called
+        path.unlink()  # everything was read when load_jsonl_data was called
+    batches = batches_from(loaded)
     positions = []
     for batch in islice(batches, 8):
         batch.check()
@@ -186,18 +187,9 @@ def test_sft_batches_reads_the_files_once_and_streams_checked_batches_over_epoch
 
 def test_pad_is_the_tokenizers_pad_token(tmp_path, tokenizer):
     data = write_sources(tmp_path, 1, 1)
-    batch = next(
-        sft_batches(
-            data,
-            tokenizer,
-            seed=0,
-            seq_len=128,
-            batch_size=1,
-            micro_batch_size=1,
-            dp_rank=0,
-            dp_size=1,
-        )
-    )
+    batch = load_jsonl_data(
+        data, tokenizer, seed=0, seq_len=128, batch_size=1, micro_batch_size=1, dp_rank=0, dp_size=1
+    ).batch(DataPosition())
     assert batch.micro_batches[0].input_ids[0, -1].item() == tokenizer.pad_token_id
 
 
@@ -219,7 +211,7 @@ def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
         shuffle=True,
     )
     with pytest.raises(ValueError, match=message):
-        sft_batches(
+        load_jsonl_data(
             missing,
             tokenizer,
             seed=0,
@@ -231,17 +223,16 @@ def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
         )
 
 
-def test_a_start_outside_the_data_is_rejected_when_the_stream_is_made(tmp_path, tokenizer):
-    data = write_sources(tmp_path, 2, 2)
+def test_a_start_outside_the_data_is_rejected(tmp_path, tokenizer):
+    data = load_jsonl_data(
+        write_sources(tmp_path, 2, 2),
+        tokenizer,
+        seed=0,
+        seq_len=64,
+        batch_size=1,
+        micro_batch_size=1,
+        dp_rank=0,
+        dp_size=1,
+    )
     with pytest.raises(ValueError, match="did the data files change"):
-        sft_batches(
-            data,
-            tokenizer,
-            seed=0,
-            seq_len=64,
-            batch_size=1,
-            micro_batch_size=1,
-            dp_rank=0,
-            dp_size=1,
-            start=DataPosition(0, 4),
-        )
+        data.batch(DataPosition(0, 4))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fnt import init_state
 from fnt.config import ModelConfig, RLConfig, RolloutConfig, RuntimeConfig
-from fnt.loop import build_state
 from fnt.setup import setup_trainer
 
 # Reversal puzzles of 2-6 letters: short prompts, and an "answer" for the similarity reward.
@@ -83,8 +83,7 @@ def rl_config(model_dir, prompts, **rollout) -> RLConfig:
 
 
 def rl_state(config: RLConfig):
-    state, _ = build_state(config, setup_trainer(config))
-    return state
+    return init_state(config, setup_trainer(config))
 
 
 def scale_weights_(model, factor: float) -> None:

@@ -1,8 +1,9 @@
-"""The in-process engine on the tiny model: weight sync, rl_batches, metrics, exact resume."""
+"""The in-process engine on the tiny model: weight sync, rl_source, metrics, exact resume."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
 from fnt.errors import DataError
+from fnt.loop import fold
 from fnt.rewards import similarity
 from fnt.rollout import (
     Completion,
@@ -18,12 +20,14 @@ from fnt.rollout import (
     Prompt,
     RolloutSample,
     load_prompts,
-    rl_batches,
     rollout_metrics,
     score,
 )
-from fnt.state import Progress
+from fnt.setup import setup_trainer
+from fnt.sources import rl_source
+from fnt.state import Progress, StaleStateError
 from fnt.update import packed_logits
+from steps import rl_step
 
 from .conftest import rl_config, rl_state, scale_weights_
 
@@ -44,8 +48,8 @@ def logits_of(model, ids):
 def test_the_inference_copy_has_the_policys_logits_after_a_sync(policy_dir, prompts_file):
     config = rl_config(policy_dir, prompts_file)
     state = rl_state(config)
-    policy = state.handles.model
-    engine = InProcessEngine(config.model, state.handles.runtime.device)
+    policy, engine = state.handles.model, state.handles.rollouts
+    assert isinstance(engine, InProcessEngine)
     assert not engine.model.training
     scale_weights_(policy, 1.1)
     ids = torch.arange(3, 40)[None]
@@ -95,17 +99,17 @@ def completions_with_answers(batch, prompts, tokenizer):
     return out
 
 
-def test_rl_batches_yield_scored_packed_rollouts_step_after_step(
+def test_rl_source_gives_scored_packed_rollouts_step_after_step(
     policy_dir, prompts_file, tokenizer
 ):
     config = rl_config(policy_dir, prompts_file, temperature=0.8)
     state = rl_state(config)
-    batches = rl_batches(state)
-    first = next(batches)
+    first = rl_source(state)
     # The policy changes between steps; the next rollout must use the changed weights.
     check_logprobs_match(first, state.handles.model, 0.8)
+    state = state.advance(data=first.data_after)
     scale_weights_(state.handles.model, 1.05)
-    second = next(batches)
+    second = rl_source(state)
     check_logprobs_match(second, state.handles.model, 0.8)
 
     prompts = load_prompts(prompts_file, tokenizer)
@@ -158,14 +162,16 @@ def test_resuming_the_stream_at_step_1_gives_the_second_batch_again(policy_dir, 
     # prompts_per_step 8 of 11 prompts: the second step wraps into epoch 1.
     config = rl_config(policy_dir, prompts_file, prompts_per_step=8, group_size=2)
     state = rl_state(config)
-    straight = rl_batches(state)
-    first, second = next(straight), next(straight)
+    engine = state.handles.rollouts
+    first = rl_source(state)
+    second = rl_source(state.advance(data=first.data_after))
     assert second.data_after == DataPosition(1, 5)
+    # A restored state at step 1 (same weights): the engine reads only the state it is given.
     resumed_state = dataclasses.replace(state, progress=Progress(step=1, data=first.data_after))
-    assert_same_batch(next(rl_batches(resumed_state)), second)
+    assert_same_batch(engine.rollout(resumed_state), second)
     # The sampling seed depends on the step: the same prompts at another step sample differently.
     other_step = dataclasses.replace(state, progress=Progress(step=7, data=DataPosition()))
-    again = next(rl_batches(other_step))
+    again = engine.rollout(other_step)
     assert (
         again.micro_batches[0].rows.input_ids.tolist()
         != first.micro_batches[0].rows.input_ids.tolist()
@@ -192,19 +198,17 @@ def test_bad_rollout_settings_name_the_key(tmp_path, rollout, dp, message):
         validate_rollout(settings, dp_size=dp)
 
 
-def test_setup_errors_surface_when_rl_batches_is_called(policy_dir, prompts_file):
-    state = rl_state(dataclasses.replace(rl_config(policy_dir, prompts_file), seq_len=24))
+def test_setup_errors_surface_when_the_engine_is_built(policy_dir, prompts_file):
     with pytest.raises(
         DataError,
         match=r"prompts.jsonl, line 1: the prompt has \d+ tokens.*raise seq_len or lower rollout",
     ):
-        rl_batches(state)
-    state = rl_state(rl_config(policy_dir, prompts_file, reward="nope"))
+        rl_state(dataclasses.replace(rl_config(policy_dir, prompts_file), seq_len=24))
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
-        rl_batches(state)
-    state = rl_state(rl_config(policy_dir, prompts_file, engine="external"))
+        rl_state(rl_config(policy_dir, prompts_file, reward="nope"))
+    config = rl_config(policy_dir, prompts_file, engine="external")
     with pytest.raises(ConfigError, match="'rollout.engine' = 'external'"):
-        rl_batches(state)
+        InProcessEngine(config, setup_trainer(config))
 
 
 def test_reward_results_and_failures_are_checked_and_name_the_prompt():
@@ -239,3 +243,39 @@ def test_rollout_metrics_of_one_process():
         "rollout/completion_len/mean": 5.0,
         "rollout/truncated_fraction": 0.25,
     }
+
+
+def weights_checksum(model) -> str:
+    """A digest of every weight's bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_each_rollout_comes_from_the_weights_after_the_previous_step(policy_dir, prompts_file):
+    state = rl_state(rl_config(policy_dir, prompts_file))
+    made = []
+
+    def recording_source(state):
+        batch = rl_source(state)
+        # The inference copy holds the weights the rollout was sampled from until the next sync.
+        made.append(weights_checksum(state.handles.rollouts.model))
+        return batch
+
+    policy_after = [weights_checksum(state.handles.model)]
+    for state, _ in fold(state, recording_source, rl_step, 3):
+        policy_after.append(weights_checksum(state.handles.model))
+    assert made == policy_after[:3]
+    assert len(set(policy_after)) == 4  # every update changed the weights
+
+
+def test_a_source_cannot_run_ahead_of_the_fold(policy_dir, prompts_file):
+    state = rl_state(rl_config(policy_dir, prompts_file, prompts_per_step=2, group_size=2))
+    batch = rl_source(state)
+    assert_same_batch(rl_source(state), batch)  # asking again gives this step's batch again
+    stepped, _ = rl_step(state, batch)
+    with pytest.raises(StaleStateError):
+        rl_source(state)  # the consumed state cannot produce another batch
+    assert rl_source(stepped).data_after != batch.data_after

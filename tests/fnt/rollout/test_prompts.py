@@ -14,7 +14,6 @@ from fnt.rollout import (
     load_prompts,
     prompt_messages,
     prompt_order,
-    rank_share,
     render_prompt,
     step_prompts,
 )
@@ -127,16 +126,3 @@ def test_the_order_depends_on_the_seed_and_changes_between_epochs():
     other, _ = step_prompts(prompt_order(20, seed=1), DataPosition(), 20)
     assert position == DataPosition(1, 0)
     assert epoch0 != epoch1 and epoch0 != other
-
-
-@given(items=st.lists(st.integers(), max_size=24), dp=st.integers(1, 4))
-def test_rank_shares_partition_a_step_in_order(items, dp):
-    items = items[: len(items) - len(items) % dp]
-    shares = [rank_share(items, r, dp) for r in range(dp)]
-    assert [x for share in shares for x in share] == items
-    assert len({len(share) for share in shares}) == 1
-
-
-def test_a_step_that_does_not_split_over_the_ranks_says_which_setting_to_change():
-    with pytest.raises(ValueError, match="rollout.prompts_per_step a multiple of 4"):
-        rank_share(list(range(6)), 0, 4)

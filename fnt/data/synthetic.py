@@ -7,11 +7,10 @@ tokenizer), so a model can learn it in a few steps. A step's rows are a pure fun
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
 from fnt.batch import DataPosition, PackedRows, SftBatch
+from fnt.parallel import rank_bounds
 
 _VOCAB = 256
 
@@ -50,32 +49,23 @@ def take_rows(rows: PackedRows, start: int, stop: int) -> PackedRows:
     )
 
 
-def synthetic_batches(
+def synthetic_batch(
     *,
     seed: int,
-    start_step: int,
+    step: int,
     start: DataPosition,
     batch_size: int,
     micro_batch_size: int,
     seq_len: int,
     dp_rank: int,
     dp_size: int,
-) -> Iterator[SftBatch]:
-    """This rank's batches for steps start_step+1, start_step+2, ... (infinite)."""
-    per_rank = batch_size // dp_size
-    cursor = start.cursor
-    step = start_step
-    while True:
-        step += 1
-        rows, docs_per_row = synthetic_rows(seed, step, batch_size, seq_len)
-        lo = dp_rank * per_rank
-        cursor += sum(docs_per_row)
-        micro = tuple(
-            take_rows(rows, i, i + micro_batch_size)
-            for i in range(lo, lo + per_rank, micro_batch_size)
-        )
-        yield SftBatch(
-            micro_batches=micro,
-            num_samples=sum(docs_per_row[lo : lo + per_rank]),
-            data_after=DataPosition(epoch=0, cursor=cursor),
-        )
+) -> SftBatch:
+    """This rank's batch of update number `step`, whose data stream starts at `start`."""
+    rows, docs_per_row = synthetic_rows(seed, step, batch_size, seq_len)
+    lo, hi = rank_bounds(batch_size, dp_rank, dp_size, what="rows per step")
+    micro = tuple(take_rows(rows, i, i + micro_batch_size) for i in range(lo, hi, micro_batch_size))
+    return SftBatch(
+        micro_batches=micro,
+        num_samples=sum(docs_per_row[lo:hi]),
+        data_after=DataPosition(epoch=0, cursor=start.cursor + sum(docs_per_row)),
+    )

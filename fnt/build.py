@@ -1,0 +1,82 @@
+"""The first TrainState of a run, and restoring one from a checkpoint. Side effects: loads the
+model (and shards it under torchrun), creates the optimizer state, reads the data or prompts, and
+`restore_` loads a checkpoint into the state's model and optimizer.
+
+Neither decides anything about resuming: `init_state` never looks at checkpoints, and `restore_`
+loads the one it is given. Which checkpoint (if any) a run continues from is `run`'s decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Union
+
+from fnt.checkpoint import load_checkpoint_
+from fnt.config import Config, RLConfig
+from fnt.model import load_model
+from fnt.optim.setup import apply_compute_dtype_, setup_optimizer
+from fnt.setup import Runtime
+from fnt.state import Handles, Progress, StepCursor, TrainState
+
+
+def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
+    """What the configured batch source reads from, built once: the RL rollout engine (the
+    external reader, or the in-process engine when rollout.prompts names a file), the tokenized
+    JSONL corpus, or nothing (synthetic data, or RL batches the caller makes itself)."""
+    if isinstance(config, RLConfig):
+        if not config.rollout.prompts and config.rollout.engine == "in_process":
+            return {}
+        if config.rollout.engine == "external":
+            from fnt.rollout.external import ExternalRollouts
+
+            return {"rollouts": ExternalRollouts(config, runtime)}
+        from fnt.rollout.engine import InProcessEngine
+
+        return {"rollouts": InProcessEngine(config, runtime)}
+    if config.data.kind == "jsonl":
+        from fnt.data.sft import load_jsonl_data
+        from fnt.tokenizer import load_tokenizer
+
+        data = load_jsonl_data(
+            config.data,
+            load_tokenizer(config.model.name),
+            seed=config.seed,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            micro_batch_size=config.micro_batch_size,
+            dp_rank=runtime.dp_rank,
+            dp_size=runtime.dims.dp,
+        )
+        return {"data": data}
+    return {}
+
+
+def init_state(config: Config, runtime: Runtime) -> TrainState:
+    """A fresh TrainState at step 0: the model from `config.model.name`, its optimizer, the
+    source's handles and `Progress()`. Reads no checkpoint and refuses nothing."""
+    # The data first: a bad file or prompt should fail before the model is loaded.
+    sources = source_handles(config, runtime)
+    model = load_model(config.model, runtime, runtime.offload)
+    optimizer = setup_optimizer(config.optim, model)
+    apply_compute_dtype_(model, optimizer, runtime.offload)
+    handles = Handles(model, optimizer, runtime, StepCursor(0), **sources)
+    return TrainState(config, Progress(), handles)
+
+
+def restore_(state: TrainState, checkpoint_dir: Union[str, Path]) -> TrainState:
+    """Load a complete checkpoint into the state's model and optimizer (in place, a collective
+    under torchrun) and return the restored state, whose Progress is the checkpoint's.
+
+    `state` must be current; afterwards it is consumed, like a state that was stepped.
+    """
+    state.check_current()
+    handles = state.handles
+    progress = load_checkpoint_(
+        Path(checkpoint_dir),
+        handles.model,
+        handles.optimizer,
+        distributed=handles.runtime.distributed,
+    )
+    handles.cursor.move_(state.progress.step, progress.step)
+    return dataclasses.replace(state, progress=progress)
