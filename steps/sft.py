@@ -34,7 +34,7 @@ def sft_loss(logits: Tensor, rows: PackedRows) -> tuple[Tensor, dict[str, Tensor
 
 
 def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
-    """One optimizer update over this rank's micro-batches. Metrics stay tensors (no host sync)."""
+    """One optimizer update over this rank's micro-batches; the metrics stay tensors."""
     batch.check()
     state.check_current()
     started = time.perf_counter()
