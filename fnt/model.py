@@ -11,6 +11,7 @@ from torch import nn
 from fnt.config import ConfigError, ModelConfig
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, fp32_module_names
 from fnt.setup import Runtime
+from fnt.sharded_load import load_shards_, params_on_meta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,15 +58,35 @@ def model_facts(model: nn.Module) -> ModelFacts:
     )
 
 
+def empty_hf_model(model_config: ModelConfig) -> nn.Module:
+    """The model's architecture with its parameters on the meta device (no memory) and its
+    buffers computed; the weights come later (fnt.sharded_load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_config.name)
+    with params_on_meta():
+        return AutoModelForCausalLM.from_config(
+            hf_config,
+            dtype=DTYPES[model_config.dtype],
+            attn_implementation=model_config.attn_implementation,
+        )
+
+
 def load_model(
     model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD
 ) -> nn.Module:
-    """The model for training: loaded, with activation checkpointing and FSDP2 as configured.
+    """The model for training, with activation checkpointing and FSDP2 as configured.
 
-    ``plan`` (from fnt.optim.setup.offload_plan) gives the FSDP2 offload and mixed-precision
-    policies (setup_trainer has already bound the process to its GPU's NUMA node when offloading).
+    In one process it is `from_pretrained`. Under torchrun no rank loads the whole model: it is
+    built on the meta device, sharded, allocated on the device, and each rank reads its shards
+    from the safetensors files (fnt.sharded_load). ``plan`` (from fnt.optim.setup.offload_plan)
+    gives the FSDP2 offload and mixed-precision policies (setup_trainer has already bound the
+    process to its GPU's NUMA node when offloading).
     """
-    model = load_hf_model(model_config, runtime.device)
+    if runtime.distributed:
+        model = empty_hf_model(model_config)
+    else:
+        model = load_hf_model(model_config, runtime.device)
     if model_config.ac:
         # transformers 5 renamed gradient_checkpointing_enable; accept both generations.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -79,8 +100,24 @@ def load_model(
     model.config.use_cache = False
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime), plan)
+        allocate_sharded_(model, runtime.device, offloaded=plan.offload_policy is not None)
+        load_shards_(model, model_config.name)
     model.train()
     return model
+
+
+def allocate_sharded_(model: nn.Module, device: torch.device, *, offloaded: bool) -> None:
+    """Allocate a meta-built, sharded model's parameters (uninitialized) and put its buffers,
+    whose values were computed at build time, on `device`. Under CPU offload the sharded
+    parameters live in host memory; FSDP2 moves them to `device` for compute."""
+    buffers = {
+        (module, name): buffer
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+    }
+    model.to_empty(device=torch.device("cpu") if offloaded else device)
+    for (module, name), buffer in buffers.items():
+        module._buffers[name] = buffer.to(device)
 
 
 def data_parallel_mesh(runtime: Runtime) -> Any:
