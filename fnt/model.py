@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
-from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, fp32_module_names
+from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
 from fnt.setup import Runtime
 from fnt.sharded_load import load_shards_, params_on_meta
 
@@ -98,12 +98,24 @@ def load_model(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
     model.config.use_cache = False
+    if plan.autocast:
+        autocast_forward_(model, runtime.device, plan)
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime), plan)
         allocate_sharded_(model, runtime.device, offloaded=plan.offload_policy is not None)
         load_shards_(model, model_config.name)
     model.train()
     return model
+
+
+def autocast_forward_(model: nn.Module, device: torch.device, plan: OffloadPlan) -> None:
+    """Run the model's forward under autocast to plan.compute_dtype (one process, float32
+    parameters); modules owning a keep_fp32 parameter run in float32, with float32 inputs."""
+    model.forward = torch.autocast(device.type, dtype=plan.compute_dtype)(model.forward)
+    for name in fp32_module_names([n for n, _ in model.named_parameters()], plan.keep_fp32):
+        module = model.get_submodule(name)
+        module.forward = torch.autocast(device.type, enabled=False)(module.forward)
+        module.register_forward_pre_hook(float32_inputs)
 
 
 def allocate_sharded_(model: nn.Module, device: torch.device, *, offloaded: bool) -> None:

@@ -91,7 +91,7 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
     # With offload on CUDA the rank is pinned to its GPU's NUMA node first, so the CPU AdamW
     # threads and the pinned host buffers sit next to the GPU; the default thread count is then
     # a share of that node. An explicit runtime.num_threads always wins.
-    plan = offload_plan(config.optim, device, launched)
+    plan = offload_plan(config.optim, device, launched, config.model.compute_dtype)
     sharing = bind_numa_(local_rank, local_world_size) if plan.bind_numa else local_world_size
     auto_threads = threads_per_rank(len(os.sched_getaffinity(0)), sharing)
     num_threads = config.runtime.num_threads or auto_threads

@@ -29,7 +29,9 @@ class ModelConfig:
     name: str = ""
     """Local directory of a Hugging Face causal LM, loaded with from_pretrained."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the model's parameters and compute."""
+    """Dtype of the model's parameters (and of compute, unless compute_dtype is lower)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of compute; bfloat16 with float32 parameters keeps float32 masters and checkpoints."""
     ac: bool = False
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"

@@ -65,6 +65,8 @@ class OffloadPlan:
     """Dtype of the compute parameters under full offload; None keeps the model's dtype."""
     cast_params: bool = False
     """A single process casts the model's parameters to compute_dtype (full offload, no FSDP2)."""
+    autocast: bool = False
+    """A single process computes in compute_dtype under autocast over float32 parameters."""
     keep_fp32: tuple[str, ...] = ()
     """Parameter name substrings that stay float32 when compute_dtype is lower."""
     bind_numa: bool = False
@@ -74,9 +76,19 @@ class OffloadPlan:
 NO_OFFLOAD = OffloadPlan()
 
 
-def offload_plan(optim_config: OptimConfig, device: torch.device, distributed: bool) -> OffloadPlan:
-    """The plan for ``optim.offload`` and ``optim.impl`` on ``device``; raises ConfigError for
-    combinations that cannot work. Pure."""
+def offload_plan(
+    optim_config: OptimConfig,
+    device: torch.device,
+    distributed: bool,
+    compute_dtype: str = "float32",
+) -> OffloadPlan:
+    """The plan for ``optim.offload``, ``optim.impl`` and ``model.compute_dtype`` on ``device``;
+    raises ConfigError for combinations that cannot work. Pure.
+
+    Lower-precision compute over float32 parameters (the masters) is FSDP2's
+    ``MixedPrecisionPolicy`` under torchrun; in one process it is the CPU AdamW's cast with
+    masters under full offload, and autocast otherwise.
+    """
     mode, impl = optim_config.offload, optim_config.impl
     cuda = device.type == "cuda"
     if mode != "none" and impl == "torch":
@@ -84,40 +96,53 @@ def offload_plan(optim_config: OptimConfig, device: torch.device, distributed: b
             f"'optim.offload' = {mode!r} needs the CPU AdamW, but 'optim.impl' = \"torch\": "
             'set optim.impl to "native" (or "reference"), or optim.offload to "none"'
         )
-    if mode == "none":
-        if impl != "torch" and cuda:
-            raise ConfigError(
-                f"'optim.impl' = {impl!r} updates parameters on the CPU, but with "
-                '\'optim.offload\' = "none" they are on cuda: set optim.offload to "state" or '
-                '"full" (under torchrun), or optim.impl to "torch"'
-            )
-        return NO_OFFLOAD
-    if cuda and not distributed:
+    if mode == "none" and impl != "torch" and cuda:
+        raise ConfigError(
+            f"'optim.impl' = {impl!r} updates parameters on the CPU, but with "
+            '\'optim.offload\' = "none" they are on cuda: set optim.offload to "state" or '
+            '"full" (under torchrun), or optim.impl to "torch"'
+        )
+    if mode != "none" and cuda and not distributed:
         raise ConfigError(
             f"'optim.offload' = {mode!r} on cuda needs FSDP2 to move parameters between host "
             "and device: launch with torchrun (--nproc-per-node 1 is fine)"
         )
-    compute = getattr(torch, optim_config.offload_dtype) if mode == "full" else None
+    compute = _compute_dtype(optim_config, compute_dtype)
+    keep = optim_config.keep_fp32
     if not distributed:
-        # One CPU process: parameters, gradients and state are on the CPU already.
-        return OffloadPlan(
-            compute_dtype=compute,
-            cast_params=compute not in (None, torch.float32),
-            keep_fp32=optim_config.keep_fp32,
-        )
+        # One process, no FSDP2: full offload casts the parameters (the CPU AdamW keeps float32
+        # masters); other lower-precision compute runs under autocast over float32 parameters.
+        if mode == "full":
+            cast = compute not in (None, torch.float32)
+            return OffloadPlan(compute_dtype=compute, cast_params=cast, keep_fp32=keep)
+        if compute is None:
+            return NO_OFFLOAD
+        return OffloadPlan(compute_dtype=compute, autocast=True, keep_fp32=keep)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     return OffloadPlan(
-        offload_policy=CPUOffloadPolicy(pin_memory=cuda),
+        offload_policy=None if mode == "none" else CPUOffloadPolicy(pin_memory=cuda),
         mp_policy=(
             None
             if compute is None
             else MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         ),
         compute_dtype=compute,
-        keep_fp32=optim_config.keep_fp32,
-        bind_numa=cuda,
+        keep_fp32=keep,
+        bind_numa=cuda and mode != "none",
     )
+
+
+def _compute_dtype(optim_config: OptimConfig, compute_dtype: str) -> Optional[torch.dtype]:
+    """The lower compute dtype asked for, or None for float32 compute."""
+    if optim_config.offload == "full":
+        if compute_dtype != "float32" and compute_dtype != optim_config.offload_dtype:
+            raise ConfigError(
+                f"'model.compute_dtype' = {compute_dtype!r} but full offload computes in "
+                f"'optim.offload_dtype' = {optim_config.offload_dtype!r}: set them equal"
+            )
+        return getattr(torch, optim_config.offload_dtype)
+    return None if compute_dtype == "float32" else getattr(torch, compute_dtype)
 
 
 def fp32_module_names(param_names: list[str], patterns: tuple[str, ...]) -> list[str]:
@@ -191,7 +216,7 @@ def apply_compute_dtype_(
         masters[p] = master
     optimizer.init_state_()
     for module_name in fp32_modules:
-        model.get_submodule(module_name).register_forward_pre_hook(_float32_inputs)
+        model.get_submodule(module_name).register_forward_pre_hook(float32_inputs)
 
     saved_names = {
         name: masters[p]
@@ -242,7 +267,8 @@ def apply_compute_dtype_(
     optimizer.register_load_state_dict_pre_hook(keep_masters)
 
 
-def _float32_inputs(module: nn.Module, args: tuple) -> tuple:
+def float32_inputs(module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: floating-point positional inputs cast to float32."""
     return tuple(
         a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
     )

@@ -13,7 +13,7 @@ from fnt.data.synthetic import synthetic_rows, take_rows
 from fnt.loop import fold, save_state, start_state
 from fnt.optim.adamw import CPUAdamW
 from fnt.optim.offload import node_cpus, numa_binding, numa_node_of, parse_cpulist
-from fnt.optim.setup import fp32_module_names, offload_plan
+from fnt.optim.setup import NO_OFFLOAD, fp32_module_names, offload_plan
 from fnt.setup import setup_trainer
 from steps.sft import sft_step
 
@@ -70,6 +70,19 @@ def test_plans_of_each_mode():
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
         assert full.offload_policy.pin_memory is pinned and not full.cast_params
+
+
+def test_bf16_compute_without_offload_is_fsdp2_mixed_precision_or_autocast():
+    distributed = offload_plan(OptimConfig(), CPU, True, compute_dtype="bfloat16")
+    assert distributed.offload_policy is None and not distributed.bind_numa
+    assert distributed.mp_policy.param_dtype == torch.bfloat16
+    assert distributed.mp_policy.reduce_dtype == torch.float32
+    single = offload_plan(OptimConfig(), CPU, False, compute_dtype="bfloat16")
+    assert single.autocast and single.compute_dtype == torch.bfloat16 and not single.cast_params
+    assert offload_plan(OptimConfig(), CPU, False) == NO_OFFLOAD
+    full = OptimConfig(impl="native", offload="full", offload_dtype="float32")
+    with pytest.raises(ConfigError, match="'model.compute_dtype' = 'bfloat16' but full offload"):
+        offload_plan(full, CPU, True, compute_dtype="bfloat16")
 
 
 def test_keep_fp32_units_are_the_owning_modules():
