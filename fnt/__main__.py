@@ -27,6 +27,8 @@ commands:
   rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
   export           write a checkpoint as a Hugging Face model directory
   make-tiny-model  write a tiny Hugging Face model for tests and demos
+  inspect          summarize a run directory: fnt inspect RUN [--json] [--diff OTHER_RUN]
+  plot             plot runs' metrics as one PNG: fnt plot RUN [RUN...] [--out FILE.png]
 
 `fnt sft --help` and `fnt rl --help` list the config keys; the other commands take --help too.
 Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
@@ -85,7 +87,26 @@ def make_tiny_model(argv: list[str]) -> None:
     tiny_model.main(argv)
 
 
-COMMANDS = {"sft": sft, "rl": rl, "export": export, "make-tiny-model": make_tiny_model}
+def inspect_run(argv: list[str]) -> None:
+    from fnt.runview import main
+
+    main(argv)
+
+
+def plot(argv: list[str]) -> None:
+    from fnt.plot import main
+
+    main(argv)
+
+
+COMMANDS = {
+    "sft": sft,
+    "rl": rl,
+    "export": export,
+    "make-tiny-model": make_tiny_model,
+    "inspect": inspect_run,
+    "plot": plot,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,157 @@
+"""Plot runs without W&B: `fnt plot RUN [RUN...] [--keys K,...] [--out FILE.png] [--smooth N]`.
+
+Side effects: `plot_runs` writes a PNG; `main` reads run directories (through
+`fnt.runview.read_run`) and prints. `series`, `smooth` and `panel_keys` are pure.
+
+One panel per metric key, step on the x axis, one line per run, labelled with the run
+directory's name and drawn in the same colour in every panel. A null value (how metrics.jsonl
+writes NaN) is a gap in the line, never a zero; a row without the key is skipped, so a metric
+logged every few steps is still one line. matplotlib is an optional extra
+(`pip install 'fnt[plot]'`), imported only to draw, and drawn on the Agg canvas, so no display
+or GUI toolkit is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Collection, Mapping, Optional, Sequence
+
+from fnt.cli import EXIT_BAD_INPUT
+from fnt.errors import DataError
+from fnt.runview import RunView, default_keys, notes, read_run
+
+MISSING_MATPLOTLIB = "error: fnt plot needs matplotlib; install it with: pip install 'fnt[plot]'"
+# Each panel is PANEL_SIZE inches at DPI, so the PNG is (columns * 400) x (rows * 240) pixels:
+# readable, and small enough to commit or attach.
+PANEL_SIZE = (5.0, 3.0)
+DPI = 80
+MAX_COLUMNS = 2
+
+
+def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[Any]]:
+    """The steps and values of `key` over the rows that have it; a null stays None. Pure."""
+    kept = [row for row in rows if key in row]
+    return [row["step"] for row in kept], [row[key] for row in kept]
+
+
+def smooth(values: Sequence[Optional[float]], n: int) -> list[Optional[float]]:
+    """Trailing mean over the last `n` rows. Pure.
+
+    A gap (None) stays a gap, and a window's gaps are left out of its mean rather than counted
+    as zeros; the first rows average over the rows there are.
+    """
+    out: list[Optional[float]] = []
+    for i, value in enumerate(values):
+        window = [v for v in values[max(0, i - n + 1) : i + 1] if v is not None]
+        out.append(None if value is None else sum(window) / len(window))
+    return out
+
+
+def panel_keys(runs: Sequence[RunView], asked: Optional[Sequence[str]]) -> list[str]:
+    """The keys that get a panel: `asked`, or the default keys present in any run. Pure."""
+    present = {key for run in runs for row in run.rows for key in row}
+    listing = ", ".join(sorted(present - {"step", "time"})) or "none"
+    if asked is None:
+        keys = default_keys(present)
+        if not keys:
+            raise DataError(f"no run has any of the default keys; --keys takes: {listing}")
+        return keys
+    missing = [key for key in asked if key not in present]
+    if missing:
+        raise DataError(f"--keys: {', '.join(missing)} in no run; keys present: {listing}")
+    return list(asked)
+
+
+def plot_runs(
+    runs: Sequence[RunView],
+    keys: Sequence[str],
+    out: Path,
+    *,
+    smooth_rows: int = 1,
+    log_keys: Collection[str] = (),
+) -> Any:
+    """Write the PNG: a panel per key, a line per run; returns the matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    columns = min(len(keys), MAX_COLUMNS)
+    rows = math.ceil(len(keys) / columns)
+    figure = Figure(
+        figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained"
+    )
+    FigureCanvasAgg(figure)
+    handles = {}
+    for index, key in enumerate(keys):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        for number, run in enumerate(runs):
+            steps, values = series(run.rows, key)
+            if not steps:
+                continue
+            # NaN is where matplotlib breaks a line.
+            y = [math.nan if v is None else v for v in smooth(values, smooth_rows)]
+            (line,) = axes.plot(steps, y, color=f"C{number}", linewidth=1.5)
+            handles.setdefault(number, line)
+        axes.set_title(
+            key if smooth_rows == 1 else f"{key}, mean of {smooth_rows} rows", fontsize=10
+        )
+        axes.set_xlabel("step", fontsize=9)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.tick_params(labelsize=8)
+        axes.grid(alpha=0.3)
+        if key in log_keys:
+            axes.set_yscale("log")
+    # One legend for the figure: a run keeps its colour in every panel.
+    figure.legend(
+        list(handles.values()),
+        [runs[number].name for number in handles],
+        loc="outside upper center",
+        ncols=min(len(handles), 4) or 1,
+        fontsize=9,
+        frameon=False,
+    )
+    figure.savefig(out, dpi=DPI)
+    return figure
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="fnt plot", description="Plot the metrics of runs as one PNG, a panel per key."
+    )
+    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN", help="run directories")
+    parser.add_argument(
+        "--keys", help="comma-separated metric keys (default: the key metrics and val/* present)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("plot.png"), metavar="FILE.png", help="default: plot.png"
+    )
+    parser.add_argument(
+        "--smooth", type=int, default=1, metavar="N", help="trailing mean over N rows (default 1)"
+    )
+    parser.add_argument(
+        "--log", action="append", default=[], metavar="KEY", help="log y scale for KEY (repeat)"
+    )
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"--smooth {args.smooth}: expected a number of rows >= 1")
+    try:
+        import matplotlib  # noqa: F401 - only to say which extra is missing, before any work
+    except ImportError:
+        print(MISSING_MATPLOTLIB, file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    if not args.out.parent.is_dir():
+        raise DataError(f"--out {args.out}: directory {args.out.parent} does not exist")
+    runs = [read_run(path) for path in args.runs]
+    asked = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
+    keys = panel_keys(runs, asked)
+    unknown = [key for key in args.log if key not in keys]
+    if unknown:
+        raise DataError(f"--log: {', '.join(unknown)} has no panel; panels: {', '.join(keys)}")
+    for run in runs:
+        for note in notes(run):
+            print(f"note: {run.name}: {note}", file=sys.stderr)
+    figure = plot_runs(runs, keys, args.out, smooth_rows=args.smooth, log_keys=args.log)
+    print(f"wrote {args.out}: {len(figure.axes)} panels, {len(runs)} runs")

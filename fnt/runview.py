@@ -1,0 +1,315 @@
+"""Look at a run directory without W&B: `fnt inspect RUN [--json] [--diff OTHER_RUN]`.
+
+Side effects: `read_run` reads a run directory and `main` prints; `parse_metrics`, `summary`,
+`format_summary` and `config_diff` are pure. Nothing here imports torch, so `fnt inspect` (and
+`fnt plot`, which reads runs through `read_run`) answers in a fraction of a second.
+
+A run directory (docs/design.md, "Run directory") has config.json or metrics.jsonl or both. It may
+still be being written: a last line of metrics.jsonl counts only once it ends with a newline and
+parses; until then it is left out, with a note. Any other line that is not a row is a DataError.
+
+`fnt inspect --json` prints one JSON object; a value the run does not have is null:
+
+- `run`: the directory's name; `path`: the path as given;
+- `model`: config `model.name`; `step`: the last row's step; `max_steps`: config `max_steps`;
+- `metrics`: the last row's key metrics (`KEY_METRICS` and any `val/*` keys it has), by key;
+- `num_tokens`, `num_samples`: the last row's `progress/num_tokens` and `progress/num_samples`;
+- `wall_time_s`: the last row's `time` minus the first row's, plus the first step's own
+  `time/step` (a pause between a crash and its resume counts too);
+- `checkpoints`: the steps of the complete checkpoints, ascending; `partial`: the `step_N.partial`
+  directories (a save in progress, or one a crash cut short); `stray`: every other entry of
+  checkpoints/, such as a `step_N` without its COMPLETE marker; resume ignores both kinds;
+- `rows_beyond_checkpoint`: `{"first": A, "last": B, "checkpoint": N}` when rows A..B are newer
+  than the newest complete checkpoint `step_N` (N is null when none is complete): the steps a
+  resume redoes; null when no row is;
+- `wandb_run_id`: the contents of `wandb_run_id`;
+- `notes`: sentences about what was missing or left out;
+- `config_diff`, only with `--diff`: `{"other": PATH, "keys": {"dotted.key": [this, other]}}`
+  for every config key whose values differ, `"<absent>"` on the side whose config lacks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Collection, Optional, Union
+
+from fnt.config import flatten
+from fnt.errors import DataError
+from fnt.resume import complete_steps, list_checkpoints, step_of
+from fnt.transaction import PARTIAL_SUFFIX
+
+# The run directory's names, as its writers use them (fnt.loop.CONFIG_FILE, the checkpoint root
+# of fnt.loop, fnt.monitors.METRICS_FILE and WANDB_ID_FILE). They are spelled out here because
+# importing those modules would import torch; a test checks that the names agree.
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+CHECKPOINTS_DIR = "checkpoints"
+
+# The metrics worth a glance, in display order; the RL ones appear only in RL runs.
+KEY_METRICS = (
+    "loss/mean",
+    "optim/lr",
+    "optim/grad_norm",
+    "perf/throughput",
+    "reward/mean",
+    "entropy/all/mean",
+    "mismatch_kl/all/mean",
+)
+ABSENT = "<absent>"
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What a run directory held when it was read."""
+
+    path: Path
+    name: str
+    config: Optional[dict]  # config.json; None when there is none
+    rows: tuple[dict, ...]  # the complete rows of metrics.jsonl, in file order
+    has_metrics: bool
+    partial_line: bool  # the last line of metrics.jsonl was left out: not yet complete
+    checkpoint_entries: tuple[tuple[str, bool], ...]  # (name, holds COMPLETE) in checkpoints/
+    wandb_run_id: Optional[str]
+
+
+def read_run(path: Union[str, Path]) -> RunView:
+    """Read a run directory; DataError when it is not one or one of its files is unreadable."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DataError(f"{path}: no such directory")
+    config_file, metrics_file = path / CONFIG_FILE, path / METRICS_FILE
+    if not config_file.is_file() and not metrics_file.is_file():
+        raise DataError(f"{path}: not a run directory (no {CONFIG_FILE} and no {METRICS_FILE})")
+    config = _read_config(config_file) if config_file.is_file() else None
+    rows, partial = [], False
+    if metrics_file.is_file():
+        rows, partial = parse_metrics(metrics_file.read_text(encoding="utf-8"), str(metrics_file))
+    wandb_file = path / WANDB_ID_FILE
+    return RunView(
+        path=path,
+        # abspath, so that "." and "run/" are named too; it does not follow symlinks.
+        name=Path(os.path.abspath(path)).name,
+        config=config,
+        rows=tuple(rows),
+        has_metrics=metrics_file.is_file(),
+        partial_line=partial,
+        checkpoint_entries=tuple(sorted(list_checkpoints(path / CHECKPOINTS_DIR))),
+        wandb_run_id=wandb_file.read_text().strip() if wandb_file.is_file() else None,
+    )
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: expected a JSON object, the resolved config")
+    return config
+
+
+def parse_metrics(text: str, source: str) -> tuple[list[dict], bool]:
+    """The rows of a metrics.jsonl text, and whether its last line was left out. Pure.
+
+    The writer appends a line and its newline in one write, so only the last line can be
+    incomplete: without a newline it is still being written (or a crash cut it), and an
+    unparsable one is what a crash leaves. Any other bad line raises DataError naming `source`.
+    """
+    lines = text.split("\n")
+    # After a final newline the split ends in ""; otherwise it ends in the unfinished line.
+    partial = bool(lines.pop().strip())
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    rows = []
+    for index, (number, line) in enumerate(numbered):
+        row = _row(line)
+        if row is None:
+            if index == len(numbered) - 1 and not partial:
+                return rows, True
+            raise DataError(
+                f"{source}:{number}: not a metrics row (a JSON object with an integer 'step')"
+            )
+        rows.append(row)
+    return rows, partial
+
+
+def _row(line: str) -> Optional[dict]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def default_keys(present: Collection[str]) -> list[str]:
+    """The key metrics among `present`, then its `val/*` keys, sorted. Pure."""
+    return [key for key in KEY_METRICS if key in present] + sorted(
+        key for key in present if key.startswith("val/")
+    )
+
+
+def classify_checkpoints(entries: Collection[tuple[str, bool]]) -> dict[str, list]:
+    """The entries of checkpoints/ as complete steps, `step_N.partial` names and the rest. Pure."""
+    complete = complete_steps(entries)
+    partial = [
+        name
+        for name, _ in entries
+        if name.endswith(PARTIAL_SUFFIX) and step_of(name[: -len(PARTIAL_SUFFIX)]) is not None
+    ]
+    counted = {f"step_{step}" for step in complete} | set(partial)
+    return {
+        "checkpoints": complete,
+        "partial": sorted(partial, key=lambda name: step_of(name[: -len(PARTIAL_SUFFIX)])),
+        "stray": sorted(name for name, _ in entries if name not in counted),
+    }
+
+
+def wall_time(rows: tuple[dict, ...]) -> Optional[float]:
+    """Seconds from the start of the first step to the last row; None without times. Pure."""
+    if not rows:
+        return None
+    first, last = rows[0].get("time"), rows[-1].get("time")
+    if not isinstance(first, (int, float)) or not isinstance(last, (int, float)):
+        return None
+    # A row's time is taken when its step ends, so the first step's own duration is added.
+    first_step = rows[0].get("time/step")
+    return last - first + (first_step if isinstance(first_step, (int, float)) else 0.0)
+
+
+def notes(view: RunView) -> list[str]:
+    """What a reader of the summary should know about the files. Pure."""
+    out = []
+    if view.config is None:
+        out.append(f"no {CONFIG_FILE}")
+    if not view.has_metrics:
+        out.append(f"no {METRICS_FILE}")
+    if view.partial_line:
+        out.append(
+            f"the last line of {METRICS_FILE} is incomplete (the run is writing it, or a crash "
+            "cut it short) and is left out"
+        )
+    return out
+
+
+def summary(view: RunView) -> dict[str, Any]:
+    """The fields of `fnt inspect --json` (listed in the module docstring) for a run. Pure."""
+    config = flatten(view.config) if view.config is not None else {}
+    last = view.rows[-1] if view.rows else {}
+    kinds = classify_checkpoints(view.checkpoint_entries)
+    newest = max(kinds["checkpoints"], default=None)
+    beyond = [row["step"] for row in view.rows if newest is None or row["step"] > newest]
+    return {
+        "run": view.name,
+        "path": str(view.path),
+        "model": config.get("model.name"),
+        "step": last.get("step"),
+        "max_steps": config.get("max_steps"),
+        "metrics": {key: last[key] for key in default_keys(last.keys())},
+        "num_tokens": _count(last.get("progress/num_tokens")),
+        "num_samples": _count(last.get("progress/num_samples")),
+        "wall_time_s": wall_time(view.rows),
+        **kinds,
+        "rows_beyond_checkpoint": (
+            {"first": beyond[0], "last": beyond[-1], "checkpoint": newest} if beyond else None
+        ),
+        "wandb_run_id": view.wandb_run_id,
+        "notes": notes(view),
+    }
+
+
+def _count(value: Any) -> Any:
+    # Counts are logged as floats (every metric is); a whole number reads better as an int.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def config_diff(a: dict, b: dict) -> dict[str, list]:
+    """`{dotted key: [a's value, b's value]}` where they differ, ABSENT for a missing key. Pure."""
+    flat_a, flat_b = flatten(a), flatten(b)
+    return {
+        key: [flat_a.get(key, ABSENT), flat_b.get(key, ABSENT)]
+        for key in sorted(flat_a.keys() | flat_b.keys())
+        if flat_a.get(key, ABSENT) != flat_b.get(key, ABSENT)
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The text `fnt inspect` prints for a summary dict. Pure."""
+    metrics = "  ".join(f"{key} {_number(value)}" for key, value in s["metrics"].items())
+    lines = [
+        f"run          {s['run']} ({s['path']})",
+        f"model        {_text(s['model'])}",
+        f"steps        {_text(s['step'])} / {_text(s['max_steps'])}",
+        f"metrics      {metrics or '-'}",
+        f"seen         {_text(s['num_tokens'])} tokens, {_text(s['num_samples'])} samples",
+        f"wall time    {_duration(s['wall_time_s'])}",
+        "checkpoints  " + (", ".join(f"step_{step}" for step in s["checkpoints"]) or "none"),
+    ]
+    if s["partial"]:
+        lines.append(f"partial      {', '.join(s['partial'])} (incomplete; resume ignores these)")
+    if s["stray"]:
+        stray = ", ".join(s["stray"])
+        lines.append(f"stray        {stray} (not checkpoints; resume ignores these)")
+    beyond = s["rows_beyond_checkpoint"]
+    if beyond:
+        where = (
+            "any checkpoint (none is complete)"
+            if beyond["checkpoint"] is None
+            else f"the newest checkpoint step_{beyond['checkpoint']}"
+        )
+        lines.append(
+            f"beyond       rows {beyond['first']}..{beyond['last']} are beyond {where}; "
+            "a resume redoes them"
+        )
+    if s["wandb_run_id"]:
+        lines.append(f"wandb        run id {s['wandb_run_id']}")
+    lines += [f"note         {note}" for note in s["notes"]]
+    if "config_diff" in s:
+        diff = s["config_diff"]
+        lines.append(f"config diff  against {diff['other']}: {len(diff['keys'])} keys differ")
+        lines += [f"  {key}: {a!r} -> {b!r}" for key, (a, b) in diff["keys"].items()]
+    return "\n".join(lines)
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.1f} s" + (f" ({seconds / 3600:.1f} h)" if seconds >= 3600 else "")
+
+
+def _text(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "null"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="fnt inspect", description="Summarize a run directory: progress, metrics, checkpoints."
+    )
+    parser.add_argument(
+        "run", type=Path, metavar="RUN", help="a run directory (the output_dir of a run)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--diff", type=Path, metavar="OTHER_RUN", help="compare the configs")
+    args = parser.parse_args(argv)
+    view = read_run(args.run)
+    s = summary(view)
+    if args.diff is not None:
+        other = read_run(args.diff)
+        for run in (view, other):
+            if run.config is None:
+                raise DataError(f"{run.path}: no {CONFIG_FILE} to compare")
+        s["config_diff"] = {
+            "other": str(other.path),
+            "keys": config_diff(view.config, other.config),
+        }
+    print(json.dumps(s) if args.json else format_summary(s))

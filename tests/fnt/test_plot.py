@@ -1,0 +1,131 @@
+"""`fnt plot`: a PNG with a panel per key and a line per run; nulls are gaps; no matplotlib."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from matplotlib.image import imread
+
+from fnt.__main__ import main
+from fnt.plot import DPI, PANEL_SIZE, plot_runs, series, smooth
+from fnt.runview import read_run
+
+# The colours of the first two runs' lines (matplotlib's C0 and C1), as 8-bit RGB.
+RUN_COLOURS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)]
+
+
+def write_run(path: Path, lr: float, rows: list[dict]) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"output_dir": str(path), "optim": {"lr": lr}}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def two_runs(tmp_path) -> list[Path]:
+    """30 SFT-like rows each, with nulls in the loss; the second run has val/loss every 10."""
+    runs = []
+    for number, lr in enumerate([1e-3, 3e-4]):
+        rows = []
+        for step in range(1, 31):
+            rows.append(
+                {
+                    "step": step,
+                    "loss/mean": None if step in (7, 8) else 5.0 / (step + number),
+                    "optim/lr": lr * min(1.0, step / 5),
+                    "optim/grad_norm": 1.0 + 0.1 * math.sin(step),
+                    "perf/throughput": 1000.0 + 10 * step + 100 * number,
+                    "progress/num_tokens": 512.0 * step,
+                }
+            )
+            if number == 1 and step % 10 == 0:
+                rows[-1]["val/loss"] = 4.0 / step
+        runs.append(write_run(tmp_path / f"run_{'ab'[number]}", lr, rows))
+    return runs
+
+
+def test_plot_of_two_runs_writes_a_panel_per_present_key(two_runs, tmp_path, capsys):
+    out = tmp_path / "plot.png"
+
+    main(["plot", *map(str, two_runs), "--out", str(out), "--smooth", "3", "--log", "optim/lr"])
+
+    # The four default SFT keys and val/loss; no RL key is present, so none gets a panel.
+    assert capsys.readouterr().out == f"wrote {out}: 5 panels, 2 runs\n"
+    image = imread(out)
+    columns, rows = 2, 3
+    assert image.shape[:2] == (rows * PANEL_SIZE[1] * DPI, columns * PANEL_SIZE[0] * DPI)
+    pixels = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    assert len(np.unique(pixels, axis=0)) > 1
+    for colour in RUN_COLOURS:  # each run's line is drawn
+        assert (pixels == colour).all(axis=1).sum() > 100, colour
+
+
+def test_plot_runs_returns_its_figure_with_the_panels_asked_for(two_runs, tmp_path):
+    runs = [read_run(path) for path in two_runs]
+
+    figure = plot_runs(
+        runs, ["loss/mean", "optim/lr", "val/loss"], tmp_path / "p.png", log_keys=["optim/lr"]
+    )
+
+    axes = figure.axes
+    assert [a.get_title() for a in axes] == ["loss/mean", "optim/lr", "val/loss"]
+    assert [a.get_yscale() for a in axes] == ["linear", "log", "linear"]
+    assert [len(a.get_lines()) for a in axes] == [2, 2, 1]  # only run_b has val/loss
+    assert [t.get_text() for t in figure.legends[0].get_texts()] == ["run_a", "run_b"]
+    loss_a = axes[0].get_lines()[0].get_ydata()
+    assert np.isnan(loss_a[6:8]).all() and not np.isnan(loss_a[:6]).any()  # nulls are gaps
+    assert list(axes[2].get_lines()[0].get_xdata()) == [10, 20, 30]  # one line, not dots
+
+
+def test_series_keeps_nulls_and_skips_rows_without_the_key():
+    rows = [{"step": 1, "k": 1.0}, {"step": 2}, {"step": 3, "k": None}, {"step": 4, "k": 2.0}]
+
+    assert series(rows, "k") == ([1, 3, 4], [1.0, None, 2.0])
+
+
+@given(
+    values=st.lists(st.none() | st.floats(-1e6, 1e6), max_size=20),
+    n=st.integers(1, 6),
+)
+def test_smooth_keeps_gaps_and_averages_the_window(values, n):
+    out = smooth(values, n)
+
+    assert [v is None for v in out] == [v is None for v in values]
+    for i, value in enumerate(out):
+        window = [v for v in values[max(0, i - n + 1) : i + 1] if v is not None]
+        if value is not None:
+            assert min(window) - 1e-6 <= value <= max(window) + 1e-6
+    assert smooth(values, 1) == values
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([1.0, 3.0, None, 5.0, 7.0], 2) == [1.0, 2.0, None, 5.0, 6.0]
+
+
+def test_a_key_in_no_run_is_named_with_the_keys_there_are(two_runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(two_runs[0]), "--keys", "loss/mean,reward/mean"])
+
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --keys: reward/mean in no run; keys present: loss/mean,")
+
+
+def test_without_matplotlib_plot_names_the_extra_and_exits_2(two_runs, monkeypatch, capsys):
+    # None in sys.modules makes `import matplotlib` raise ImportError, as when it is missing.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(two_runs[0])])
+
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: fnt plot needs matplotlib; install it with: pip install 'fnt[plot]'\n"
+    )
