@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The prepared check for a lent GPU machine, in at most 8 minutes on one GPU:
+#   1. the gpu-marked tests (varlen attention: packed == alone),
+#   2. the memory benchmark up to seq_len 8192 (scripts/bench_memory.py),
+#   3. a throughput run at a real shape (scripts/bench_throughput.py: Qwen3-0.6B-shaped random
+#      weights, bf16 compute, seq_len 8192, a varlen kernel if flash-attn is installed).
+# Usage, from the repository root on the GPU machine: bash scripts/gpu_check.sh [OUT_DIR]
+# Each part has its own time limit, so one that hangs cannot eat the others' time; every log and
+# the JSON lines land in OUT_DIR (default gpu-check/), and the summary is printed last.
+# The machine's image provides torch and transformers; fnt's other pure-Python dependencies are
+# installed from wheels in .gpu-wheels/ when that folder exists (prepare it here with
+# `pip download dataclasses-json -d .gpu-wheels`), since the machine cannot reach a registry.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+
+if [ -d .gpu-wheels ]; then
+  "$PY" -m pip install -q --no-index --find-links .gpu-wheels dataclasses-json
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+  | tee "$OUT/env.log"
+
+timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+timeout 180 "$PY" scripts/bench_memory.py --seq-lens 1024,2048,4096,8192 --skip-ranks \
+  --work "$OUT/models" 2>&1 | tee "$OUT/bench_memory.log"
+memory_rc=${PIPESTATUS[0]}
+timeout 180 "$PY" scripts/bench_throughput.py --seq-len 8192 --steps 6 --work "$OUT/throughput" \
+  2>&1 | tee "$OUT/bench_throughput.log"
+throughput_rc=${PIPESTATUS[0]}
+
+echo "gpu tests rc=$tests_rc, memory benchmark rc=$memory_rc, throughput rc=$throughput_rc"
+tail -n 1 "$OUT/bench_memory.log"
+tail -n 1 "$OUT/bench_throughput.log"
+[ "$tests_rc$memory_rc$throughput_rc" = "000" ]

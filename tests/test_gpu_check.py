@@ -1,0 +1,62 @@
+"""The CPU-runnable parts of scripts/gpu_check.sh: the script parses, names only files that exist,
+and its throughput run works end to end at a tiny shape; the memory benchmark (slow) prints its
+JSON line."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def test_the_gpu_check_parses_and_runs_existing_parts():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    for path in re.findall(r"scripts/\w+\.py", text):
+        assert (REPO / path).is_file(), path
+    assert "-m gpu" in text  # the gpu-marked tests are the first part
+
+
+def run_json(*args: str, timeout: float) -> dict:
+    out = subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_throughput_run_works_at_a_tiny_shape(tmp_path):
+    result = run_json(
+        "scripts/bench_throughput.py",
+        "--tiny",
+        "--steps",
+        "2",
+        "--work",
+        str(tmp_path),
+        timeout=300,
+    )
+    assert result["steps"] == 2 and result["attn_implementation"] == "sdpa"
+    assert result["tokens_per_second"] > 0 and result["peak_memory_gib"] > 0
+
+
+@pytest.mark.slow
+def test_the_memory_benchmark_prints_its_json_line(tmp_path):
+    result = run_json(
+        "scripts/bench_memory.py",
+        "--seq-lens",
+        "256,512",
+        "--skip-ranks",
+        "--work",
+        str(tmp_path),
+        timeout=900,
+    )
+    assert set(result["steps"]) == {"256", "512"}
+    for row in result["steps"].values():
+        assert {"bare", "fnt_sft", "fnt_rl"} <= set(row)
