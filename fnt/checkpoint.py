@@ -10,6 +10,9 @@ renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step` c
 directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save leaves the
 previous checkpoint as the newest complete one. The learning rate is derived from the step, so
 there is no scheduler state.
+
+A run that starts at step N first moves newer complete checkpoints and unfinished saves into
+`abandoned/<UTC time>/` (`abandon_newer_`), so the new trajectory never meets the old one.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import shutil
 import signal
 import warnings
+from datetime import datetime, timezone
 from functools import partial as bind
 from pathlib import Path
 from typing import Any
@@ -27,12 +31,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints
+from fnt.resume import (
+    ABANDONED_DIR,
+    abandoned_names,
+    checkpoint_dir,
+    complete_steps,
+    list_checkpoints,
+)
 from fnt.state import Progress
 from fnt.transaction import (
     COMPLETE_MARKER,
     begin_dir_,
     commit_dir_,
+    fsync_dir,
     is_complete,
     partial_dir,
     write_synced,
@@ -102,10 +113,13 @@ def save_checkpoint(
         _fault_point(progress.step, "shards")
         write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
         write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
+        # A step_N left by another trajectory is moved aside at the start; should one still be
+        # there (a directory copied in by hand), this save is the one to keep.
         commit_dir_(
             partial,
             final,
             f"step {progress.step}\n",
+            replace=True,
             before_rename=bind(_fault_point, progress.step, "marker"),
         )
     _barrier(distributed)
@@ -150,3 +164,21 @@ def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:
         (path / COMPLETE_MARKER).unlink()
         shutil.rmtree(path)
     return doomed
+
+
+def abandon_newer_(ckpt_root: Path, start_step: int) -> list[tuple[Path, Path]]:
+    """Move what `abandoned_names` picks into `abandoned/<UTC time>/` under ckpt_root, kept as it
+    was; returns the `(from, to)` pairs. Each move is one rename, so a crash in between leaves
+    the rest for the next start to move."""
+    names = abandoned_names(list_checkpoints(ckpt_root), start_step)
+    if not names:
+        return []
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = Path(ckpt_root) / ABANDONED_DIR / stamp
+    target.mkdir(parents=True)
+    moves = [(Path(ckpt_root) / name, target / name) for name in names]
+    for source, destination in moves:
+        os.replace(source, destination)
+    fsync_dir(target)
+    fsync_dir(Path(ckpt_root))
+    return moves

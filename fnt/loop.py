@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from fnt.build import init_state, restore_
-from fnt.checkpoint import cleanup_checkpoints_, save_checkpoint, should_checkpoint
+from fnt.checkpoint import (
+    abandon_newer_,
+    cleanup_checkpoints_,
+    save_checkpoint,
+    should_checkpoint,
+)
 from fnt.config import Config, ConfigError, to_json
 from fnt.metrics import (
     disk_metrics,
@@ -81,7 +86,12 @@ def save_state(state: TrainState) -> Path:
 
 def start_state(config: Config, runtime: Runtime) -> TrainState:
     """The state a run starts from: restored from the checkpoint `config.resume` selects, or
-    fresh, in which case earlier checkpoints in the output directory are refused."""
+    fresh, in which case earlier checkpoints in the output directory are refused.
+
+    Once the start state is loaded, rank 0 moves newer checkpoints and unfinished saves aside
+    (`abandon_newer_`): the run forks there, and its own checkpoints must not collide with,
+    be deleted in favour of, or be mixed with the old trajectory's.
+    """
     root = ckpt_root(config)
     resume_step = resolve_resume_step(config.resume, root)
     if resume_step is None:
@@ -89,6 +99,9 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     state = init_state(config, runtime)
     if resume_step is not None:
         state = restore_(state, checkpoint_dir(root, resume_step))
+    if runtime.is_main:
+        for source, target in abandon_newer_(root, state.progress.step):
+            print(f"starting at step {state.progress.step}: moved {source} to {target}", flush=True)
     return state
 
 

@@ -3,7 +3,9 @@
 A checkpoint directory is complete when it is named `step_N` and holds the marker file
 `COMPLETE`. The saver writes everything into a temporary sibling, writes the marker last and
 only then renames the directory to `step_N` (fnt.transaction), so a crash at any moment
-leaves either a complete `step_N` or something these rules ignore.
+leaves either a complete `step_N` or something these rules ignore. `abandoned/`, where a
+resumed run moves the checkpoints of the trajectory it leaves (`abandoned_names`), is one of
+those.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from fnt.errors import ConfigError
-from fnt.transaction import COMPLETE_MARKER
+from fnt.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX
 
 # Only the canonical names the saver writes: no leading zeros, ASCII digits, nothing after.
 _STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
+ABANDONED_DIR = "abandoned"
 
 
 class ResumeError(ConfigError):
@@ -38,6 +41,19 @@ def complete_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
     """Sorted steps of the complete checkpoints in a listing of `(name, has_marker)`. Pure."""
     return sorted(
         step for name, has_marker in entries if has_marker and (step := step_of(name)) is not None
+    )
+
+
+def abandoned_names(entries: Iterable[tuple[str, bool]], start_step: int) -> list[str]:
+    """The entries of a listing of `(name, has_marker)` that a run starting at `start_step` moves
+    aside: complete checkpoints newer than the start (another trajectory: resuming would collide
+    with them, keep_last would count them as the newest, and "latest" would pick them later) and
+    every `step_M.partial` (a save that never finished). Pure."""
+    return sorted(
+        name
+        for name, has_marker in entries
+        if (has_marker and (step := step_of(name)) is not None and step > start_step)
+        or (name.endswith(PARTIAL_SUFFIX) and step_of(name[: -len(PARTIAL_SUFFIX)]) is not None)
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from fnt.checkpoint import FAULT_ENV
 from fnt.monitors import read_metrics
-from fnt.resume import resolve_resume_step
+from fnt.resume import ABANDONED_DIR, resolve_resume_step
 from tests.e2e.helpers import (
     REPO,
     assert_resumed_run_matches,
@@ -73,3 +74,34 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
     assert [r["step"] for r in rows] == list(range(1, N + 1))
     assert resolve_resume_step("latest", out / "checkpoints") == N
     assert not (out / "checkpoints" / "step_4.partial").exists()
+
+
+def test_resume_from_an_older_step_forks_and_keeps_the_old_trajectory_aside(
+    tiny_model_dir, tmp_path
+):
+    full = tmp_path / "full"
+    run_script("sft.py", *args(tiny_model_dir, full, "--ckpt.interval", "2"))
+
+    # The same directory resumed at step 2: newer checkpoints and an unfinished save are there.
+    forked = tmp_path / "forked"
+    shutil.copytree(full, forked)
+    (forked / "checkpoints" / "step_5.partial").mkdir()
+    proc = run_script(
+        "sft.py",
+        *args(tiny_model_dir, forked, "--ckpt.interval", "2", "--ckpt.keep-last", "2"),
+        "--resume",
+        "2",
+    )
+    stale = ["step_4", "step_5.partial", "step_6"]
+    (fork,) = (forked / "checkpoints" / ABANDONED_DIR).iterdir()
+    assert sorted(p.name for p in fork.iterdir()) == stale
+    for name in stale:
+        assert proc.stdout.count(f"checkpoints/{name} to ") == 1, proc.stdout
+    # keep_last counted only the new trajectory: its own step_4 and step_6 are kept.
+    assert sorted(p.name for p in (forked / "checkpoints").iterdir()) == [
+        ABANDONED_DIR,
+        "step_4",
+        "step_6",
+    ]
+    assert resolve_resume_step("latest", forked / "checkpoints") == N
+    assert_resumed_run_matches(full, forked, 2, N, EXACT_KEYS, tmp_path)

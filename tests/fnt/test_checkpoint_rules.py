@@ -1,4 +1,5 @@
-"""Checkpoint decisions: when to save, what to delete, and cleanup on a real directory."""
+"""Checkpoint decisions: when to save, what to delete, and cleanup and the fork's move aside on a
+real directory."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.checkpoint import cleanup_checkpoints_, should_checkpoint, steps_to_delete
-from fnt.resume import COMPLETE_MARKER, resolve_resume_step
+from fnt.checkpoint import (
+    abandon_newer_,
+    cleanup_checkpoints_,
+    should_checkpoint,
+    steps_to_delete,
+)
+from fnt.resume import ABANDONED_DIR, COMPLETE_MARKER, resolve_resume_step
 
 SETTINGS = settings(max_examples=200, deadline=None)
 FS_SETTINGS = settings(max_examples=100, deadline=None)
@@ -157,3 +163,49 @@ def test_cleanup_ignores_non_canonical_names(tmp_path):
     deleted = cleanup_checkpoints_(root, 2)
     assert deleted == []
     assert sorted(p.name for p in root.iterdir()) == ["step_01", "step_5", "step_6"]
+
+
+# ---------------------------------------------------------------------------------------------
+# abandon_newer_ on a real directory
+
+
+@FS_SETTINGS
+@given(listings(), STEPS)
+def test_abandon_moves_newer_checkpoints_and_partials_aside_intact(listing, start):
+    complete, _, partial, _ = listing
+    with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
+        root = Path(tmp) / "checkpoints"
+        build(root, listing)
+        before = snapshot(root)
+
+        moves = abandon_newer_(root, start)
+
+        newer = {f"step_{n}" for n in complete if n > start}
+        moved = newer | {f"step_{n}.partial" for n in partial}
+        assert {source.name for source, _ in moves} == moved
+        stamps = {target.parent for _, target in moves}
+        assert len(stamps) <= 1 and all(t.parent == root / ABANDONED_DIR for t in stamps)
+        after = snapshot(root)
+        kept = {p for p in after if p.split("/")[0] != ABANDONED_DIR}
+        assert kept == {p for p in before if p.split("/")[0] not in moved}
+        for source, target in moves:
+            # Kept as it was, marker included: the old trajectory can still be inspected.
+            assert snapshot(target) == {
+                p.split("/", 1)[1] for p in before if p.split("/")[0] == source.name and "/" in p
+            }
+        latest = resolve_resume_step("latest", root)
+        assert latest == max((n for n in complete if n <= start), default=None)
+
+
+def test_abandon_twice_keeps_both_forks(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ["step_2", "step_4"]:
+        (root / name).mkdir(parents=True)
+        (root / name / COMPLETE_MARKER).write_text("x")
+    assert [s.name for s, _ in abandon_newer_(root, 2)] == ["step_4"]
+    (root / "step_4").mkdir()
+    (root / "step_4" / COMPLETE_MARKER).write_text("y")
+    assert [s.name for s, _ in abandon_newer_(root, 2)] == ["step_4"]
+    assert abandon_newer_(root, 2) == []
+    forks = sorted((root / ABANDONED_DIR).iterdir())
+    assert [(f / "step_4" / COMPLETE_MARKER).read_text() for f in forks] == ["x", "y"]

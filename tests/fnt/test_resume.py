@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.resume import (
+    ABANDONED_DIR,
     COMPLETE_MARKER,
     ResumeError,
+    abandoned_names,
     checkpoint_dir,
     choose_resume_step,
     complete_steps,
@@ -187,6 +189,49 @@ def test_complete_steps_keeps_marked_step_dirs_only(entries):
         if marked and re.fullmatch(r"step_(0|[1-9][0-9]*)", name)
     )
     assert steps == expected
+
+
+@SETTINGS
+# A directory listing names each entry once.
+@given(listing_entries.map(lambda entries: list(dict(entries).items())), STEPS)
+def test_abandoned_names_leave_one_trajectory_up_to_the_start(entries, start):
+    moved = abandoned_names(entries, start)
+    assert moved == sorted(set(moved))
+    assert set(moved) <= {name for name, _ in entries}
+    rest = [(name, marked) for name, marked in entries if name not in moved]
+    # What stays holds exactly the complete checkpoints up to the start, and no unfinished save.
+    assert complete_steps(rest) == [s for s in complete_steps(entries) if s <= start]
+    assert not any(re.fullmatch(r"step_(0|[1-9][0-9]*)\.partial", name) for name, _ in rest)
+    # Nothing else is touched: every moved name is a newer complete step or a partial.
+    for name in moved:
+        step = step_of(name.removesuffix(".partial"))
+        assert step is not None
+        assert name.endswith(".partial") or step > start
+
+
+def test_abandoned_names_examples():
+    entries = [
+        ("step_2", True),
+        ("step_4", True),
+        ("step_6", True),
+        ("step_5", False),
+        ("step_3.partial", True),
+        ("step_x.partial", False),
+        (ABANDONED_DIR, False),
+    ]
+    assert abandoned_names(entries, 2) == ["step_3.partial", "step_4", "step_6"]
+    assert abandoned_names(entries, 6) == ["step_3.partial"]
+
+
+def test_resolve_ignores_abandoned_checkpoints(tmp_path):
+    """The checkpoints a fork moved aside keep their markers and must never be resumed."""
+    root = tmp_path / "checkpoints"
+    for path in [root / "step_2", root / ABANDONED_DIR / "t" / "step_9"]:
+        path.mkdir(parents=True)
+        (path / COMPLETE_MARKER).write_text("x")
+    (root / ABANDONED_DIR / COMPLETE_MARKER).write_text("x")
+    assert complete_steps(list_checkpoints(root)) == [2]
+    assert resolve_resume_step("latest", root) == 2
 
 
 @SETTINGS
