@@ -37,6 +37,7 @@ from fnt.resume import (
     checkpoint_dir,
     complete_steps,
     list_checkpoints,
+    step_of,
 )
 from fnt.state import Progress
 from fnt.transaction import (
@@ -52,8 +53,9 @@ from fnt.transaction import (
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
 # Fault injection for the crash tests: "STEP:PHASE" makes rank 0 SIGKILL itself during the save
-# of step STEP, at PHASE "shards" (DCP files written, no marker) or "marker" (marker written, not
-# yet renamed). Unset in normal runs.
+# of step STEP, at PHASE "shards" (DCP files written, no marker), "marker" (marker written, not
+# yet renamed) or "committed" (renamed, before keep_last cleanup); or, at PHASE "cleanup", while
+# cleanup deletes step STEP (marker removed, directory not yet). Unset in normal runs.
 FAULT_ENV = "FNT_FAULT_KILL_IN_SAVE"
 
 
@@ -122,6 +124,7 @@ def save_checkpoint(
             replace=True,
             before_rename=bind(_fault_point, progress.step, "marker"),
         )
+        _fault_point(progress.step, "committed")
     _barrier(distributed)
     return final
 
@@ -152,18 +155,30 @@ def read_meta(path: Path) -> dict:
 
 
 def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:
-    """Delete complete checkpoints beyond the newest `keep_last`; returns the deleted steps.
+    """Delete complete checkpoints beyond the newest `keep_last`, and `step_N` directories without
+    the marker; returns the deleted steps.
 
-    Only `step_N` directories holding the COMPLETE marker count, so directories fnt did not
-    write (or an unfinished save) are never touched.
+    Only a delete leaves a `step_N` without its marker (the marker goes first, so a crash
+    mid-delete leaves a directory that readers ignore); removing those finishes the delete.
+    Other names (`step_N.partial`, `abandoned/`, whatever fnt did not write) are never touched.
     """
-    doomed = steps_to_delete(complete_steps(list_checkpoints(ckpt_root)), keep_last)
+    entries = list_checkpoints(ckpt_root)
+    leftovers = [
+        step
+        for name, has_marker in entries
+        if not has_marker
+        and (step := step_of(name)) is not None
+        and checkpoint_dir(ckpt_root, step).is_dir()
+    ]
+    doomed = steps_to_delete(complete_steps(entries), keep_last)
     for step in doomed:
-        # Remove the marker first: a crash mid-delete then leaves an ignored, incomplete dir.
         path = checkpoint_dir(ckpt_root, step)
         (path / COMPLETE_MARKER).unlink()
+        _fault_point(step, "cleanup")
         shutil.rmtree(path)
-    return doomed
+    for step in leftovers:
+        shutil.rmtree(checkpoint_dir(ckpt_root, step))
+    return sorted(doomed + leftovers)
 
 
 def abandon_newer_(ckpt_root: Path, start_step: int) -> list[tuple[Path, Path]]:

@@ -84,13 +84,23 @@ def save_state(state: TrainState) -> Path:
     )
 
 
+def save_and_clean_(state: TrainState) -> float:
+    """Save `state`'s checkpoint, then (rank 0) apply keep_last; returns the seconds it took."""
+    started = time.perf_counter()
+    save_state(state)
+    if state.handles.runtime.is_main:
+        cleanup_checkpoints_(ckpt_root(state.config), state.config.ckpt.keep_last)
+    return time.perf_counter() - started
+
+
 def start_state(config: Config, runtime: Runtime) -> TrainState:
     """The state a run starts from: restored from the checkpoint `config.resume` selects, or
     fresh, in which case earlier checkpoints in the output directory are refused.
 
     Once the start state is loaded, rank 0 moves newer checkpoints and unfinished saves aside
     (`abandon_newer_`): the run forks there, and its own checkpoints must not collide with,
-    be deleted in favour of, or be mixed with the old trajectory's.
+    be deleted in favour of, or be mixed with the old trajectory's. It then runs the keep_last
+    cleanup.
     """
     root = ckpt_root(config)
     resume_step = resolve_resume_step(config.resume, root)
@@ -102,6 +112,8 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     if runtime.is_main:
         for source, target in abandon_newer_(root, state.progress.step):
             print(f"starting at step {state.progress.step}: moved {source} to {target}", flush=True)
+        # Also finishes a keep_last delete that a kill interrupted.
+        cleanup_checkpoints_(root, config.ckpt.keep_last)
     return state
 
 
@@ -159,6 +171,8 @@ def run(
         prof = start_trace(config.trace_path)
         steps = max(0, config.max_steps - start_step)
         tokens_before = state.progress.total_tokens
+        # The save after step N is timed in row N + 1, since row N is written before it.
+        save_seconds = 0.0
         step_started = time.perf_counter()
         for state, metrics in fold(state, source, step_fn, steps):
             step = state.progress.step
@@ -168,17 +182,10 @@ def run(
                 hook_started = time.perf_counter()
                 on_state(state)
                 timing["time/after_step"] = time.perf_counter() - hook_started
-            save_seconds = 0.0
-            if should_checkpoint(
-                step, config.ckpt.interval, config.max_steps, config.ckpt.save_final
-            ):
-                save_started = time.perf_counter()
-                save_state(state)
-                if runtime.is_main:
-                    cleanup_checkpoints_(ckpt_root(config), config.ckpt.keep_last)
-                save_seconds = time.perf_counter() - save_started
             tokens = state.progress.total_tokens - tokens_before
             tokens_before = state.progress.total_tokens
+            # Row N is on disk before step_N is committed: a kill in between resumes from an
+            # earlier checkpoint and rewrites the row, never from step_N with row N missing.
             log_step_metrics(
                 step,
                 merge_metrics(to_floats(metrics), progress_metrics(state.progress)),
@@ -196,10 +203,18 @@ def run(
                 monitor=monitors,
                 is_main=runtime.is_main,
             )
+            save_seconds = 0.0
+            if should_checkpoint(
+                step, config.ckpt.interval, config.max_steps, config.ckpt.save_final
+            ):
+                save_seconds = save_and_clean_(state)
             if prof is not None and config.trace_steps and step - start_step >= config.trace_steps:
                 save_trace(prof, config.trace_path, runtime.rank)
                 prof = None
             step_started = time.perf_counter()
+        if runtime.is_main and save_seconds:
+            # No row follows the last save to carry its time.
+            print(f"saved step_{state.progress.step} in {save_seconds:.2f} s", flush=True)
         return state
     finally:
         if prof is not None:

@@ -53,7 +53,11 @@ def truncate_metrics_(path: Path, last_step: int) -> None:
 
 
 class JsonlMonitor:
-    """Appends one strict-JSON line per step to metrics.jsonl, flushed every step."""
+    """Appends one strict-JSON line per step to metrics.jsonl, flushed and fsynced every step.
+
+    The fsync keeps "row N before checkpoint step_N" true through a power loss too: the
+    checkpoint's commit is fsynced, so the row before it must be as well.
+    """
 
     def __init__(self, path: Path, start_step: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +68,7 @@ class JsonlMonitor:
     def log(self, row: Mapping[str, Any]) -> None:
         self._fh.write(strict_json_line(row) + "\n")
         self._fh.flush()
+        os.fsync(self._fh.fileno())
 
     def close(self) -> None:
         self._fh.close()

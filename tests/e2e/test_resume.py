@@ -47,25 +47,25 @@ def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
-@pytest.mark.parametrize("phase", ["shards", "marker"])
-def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
-    tiny_model_dir, tmp_path, phase
-):
-    out = tmp_path / "run"
-    env = {**os.environ, FAULT_ENV: f"4:{phase}"}
+def run_killed(tiny_model_dir, out, fault, *extra):
+    """A run that SIGKILLs itself at the fault point `fault` (see fnt.checkpoint.FAULT_ENV)."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "scripts" / "sft.py"),
-            *args(tiny_model_dir, out, "--ckpt.interval", "2"),
-        ],
+        [sys.executable, str(REPO / "scripts" / "sft.py"), *args(tiny_model_dir, out, *extra)],
         cwd=REPO,
-        env=env,
+        env={**os.environ, FAULT_ENV: fault, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("phase", ["shards", "marker"])
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
+    tiny_model_dir, tmp_path, phase
+):
+    out = tmp_path / "run"
+    run_killed(tiny_model_dir, out, f"4:{phase}", "--ckpt.interval", "2")
     assert (out / "checkpoints" / "step_4.partial").is_dir()  # the save really was under way
     assert resolve_resume_step("latest", out / "checkpoints") == 2
 
@@ -74,6 +74,36 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
     assert [r["step"] for r in rows] == list(range(1, N + 1))
     assert resolve_resume_step("latest", out / "checkpoints") == N
     assert not (out / "checkpoints" / "step_4.partial").exists()
+
+
+KEEP_ONE = ("--ckpt.interval", "2", "--ckpt.keep-last", "1")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_script("sft.py", *args(tiny_model_dir, out, *KEEP_ONE))
+    return out
+
+
+@pytest.mark.parametrize(
+    "fault",
+    # Right after step_4's rename; and while the cleanup after that save deletes step_2.
+    ["4:committed", "2:cleanup"],
+)
+def test_sigkill_after_a_commit_keeps_every_row_exactly_once(
+    tiny_model_dir, tmp_path, uninterrupted, fault
+):
+    out = tmp_path / "run"
+    run_killed(tiny_model_dir, out, fault, *KEEP_ONE)
+    # step_4 is complete, so its row must be there already: nothing would ever write it again.
+    assert resolve_resume_step("latest", out / "checkpoints") == 4
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+    run_script("sft.py", *args(tiny_model_dir, out, *KEEP_ONE, "--resume", "latest"))
+    # The interrupted delete of step_2 was finished: only the kept checkpoint is left.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{N}"]
+    assert_resumed_run_matches(uninterrupted, out, 4, N, EXACT_KEYS, tmp_path)
 
 
 def test_resume_from_an_older_step_forks_and_keeps_the_old_trajectory_aside(
@@ -105,3 +135,9 @@ def test_resume_from_an_older_step_forks_and_keeps_the_old_trajectory_aside(
     ]
     assert resolve_resume_step("latest", forked / "checkpoints") == N
     assert_resumed_run_matches(full, forked, 2, N, EXACT_KEYS, tmp_path)
+
+
+def test_a_save_is_timed_in_the_next_row(uninterrupted):
+    """Row N is written before step N's save, so that save's time goes into row N + 1."""
+    saves = {r["step"]: r["time/save_ckpt"] for r in read_metrics(uninterrupted)}
+    assert [step for step, seconds in saves.items() if seconds > 0] == [3, 5]
