@@ -7,10 +7,13 @@ decision lives here), checkpoint saves, profiler window, monitors and signals.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
+import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 from fnt.build import init_state, restore_
 from fnt.checkpoint import (
@@ -41,6 +44,7 @@ from fnt.state import Progress, TrainState
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
 CONFIG_FILE = "config.json"
+LOCK_FILE = "run.lock"
 
 
 def fold(
@@ -128,6 +132,34 @@ def refuse_stale_checkpoints(root: Path) -> None:
         )
 
 
+def lock_output_dir_(output_dir: Path) -> IO[str]:
+    """Take the run's exclusive lock on `output_dir`, or raise ConfigError naming its holder.
+
+    Two runs on one directory would interleave their rows and checkpoints. The lock is an OS
+    `flock`, so it is released when its holder dies, however it dies: a stale lock file never
+    blocks. The holder's host and pid are written inside, for the message. Close the returned
+    file to release it.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / LOCK_FILE
+    # Opened without truncating: while another run holds the lock, its text must stay readable.
+    lock = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a run that has not written its host and pid yet"
+        lock.close()
+        raise ConfigError(
+            f"output_dir {str(output_dir)!r} is in use by another run ({holder}; lock {path}): "
+            "wait for it to end, stop it, or choose another output_dir"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
 class _Terminated(Exception):
     pass
 
@@ -152,9 +184,14 @@ def run(
     """
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     runtime = setup_trainer(config)
+    lock = None
     monitors = None
     prof = None
     try:
+        # Before anything in the directory is read or changed. The other ranks need no lock of
+        # their own: if rank 0 fails here, torchrun stops them.
+        if runtime.is_main:
+            lock = lock_output_dir_(Path(config.output_dir))
         state = start_state(config, runtime)
         start_step = state.progress.step
         if on_state is not None:
@@ -222,4 +259,6 @@ def run(
         if monitors is not None:
             monitors.close()
         teardown_trainer(runtime)
+        if lock is not None:
+            lock.close()
         signal.signal(signal.SIGTERM, previous_handler)

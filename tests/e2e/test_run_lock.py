@@ -1,0 +1,84 @@
+"""One run per output directory: a second run on it exits 2 at once, naming the holder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fnt.errors import ConfigError
+from fnt.loop import LOCK_FILE, lock_output_dir_
+from fnt.monitors import METRICS_FILE
+from tests.e2e.helpers import REPO, config_args, run_script
+
+
+def test_the_lock_is_exclusive_and_names_its_holder(tmp_path):
+    held = lock_output_dir_(tmp_path / "run")
+    with pytest.raises(ConfigError) as info:
+        lock_output_dir_(tmp_path / "run")
+    assert f"host {socket.gethostname()} pid {os.getpid()}" in str(info.value)
+    # The refused attempt left the holder's text alone.
+    assert (
+        tmp_path / "run" / LOCK_FILE
+    ).read_text() == f"host {socket.gethostname()} pid {os.getpid()}\n"
+    held.close()
+    lock_output_dir_(tmp_path / "run").close()
+
+
+def wait_for_rows(path, rows, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the first run exited {proc.returncode}"
+        if path.exists() and len(path.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {rows} rows in {timeout} s")
+
+
+def test_a_second_run_on_the_same_directory_exits_2_naming_the_first(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    # Far more steps than the test needs: the first run must still be training when the second
+    # one starts; it is killed once the second has been refused. Its stderr goes to a file, as a
+    # pipe nobody reads while it runs could fill up and stall it.
+    with open(tmp_path / "first.stderr", "w") as first_stderr:
+        first = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "scripts" / "sft.py"),
+                *config_args(
+                    "examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "100000"
+                ),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.DEVNULL,
+            stderr=first_stderr,
+            start_new_session=True,
+        )
+        try:
+            wait_for_rows(out / METRICS_FILE, 1, first)
+            second = run_script(
+                "sft.py",
+                *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--resume", "latest"),
+                check=False,
+            )
+            assert first.poll() is None
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert second.returncode == 2, second.stderr[-3000:]
+    (line,) = second.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"pid {first.pid}" in line, line
+    assert socket.gethostname() in line
+
+    # The dead run's lock file is still there, but its lock died with it.
+    assert (out / LOCK_FILE).is_file()
+    run_script(
+        "sft.py",
+        *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "2"),
+    )
