@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional
 
+import torch
+import torch.distributed as dist
+
 from fnt.build import init_state, restore_
 from fnt.checkpoint import (
     abandon_newer_,
@@ -160,12 +163,26 @@ def lock_output_dir_(output_dir: Path) -> IO[str]:
     return lock
 
 
-class _Terminated(Exception):
-    pass
+# What schedulers send before they kill a job (SLURM: SIGTERM, or SIGUSR1 via --signal).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-def _raise_terminated(signum, frame):
-    raise _Terminated(f"received signal {signum}")
+class Preempted(SystemExit):
+    """Raised by `run` after a preemption signal, once the step it stopped at is checkpointed.
+
+    A SystemExit, so that the process exits with `runtime.preempt_exit_code` and no traceback,
+    and so that no `except Exception` on the way up can swallow it.
+    """
+
+
+def agree_preempted(received: bool, runtime: Runtime) -> bool:
+    """Whether any rank received a preemption signal; one all-reduce under torchrun, so that all
+    ranks stop after the same step even when only some of them were signalled."""
+    if not runtime.distributed:
+        return received
+    flag = torch.tensor([int(received)], dtype=torch.int32)  # CPU: gloo, also on CUDA
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def run(
@@ -181,8 +198,17 @@ def run(
     `source(state)` gives the batch of the step after `state` (see fnt.sources). `on_state(state)`
     runs on every rank for the start state and after each update, before the checkpoint (e.g. to
     publish weights to an external rollout engine); its time is logged as time/after_step.
+
+    Rank 0 holds the output directory's lock for the whole run (`lock_output_dir_`). After
+    SIGTERM or SIGUSR1 the run checkpoints the step it is at and raises `Preempted`.
     """
-    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    # A signal only takes note: the loop stops at the next step boundary, after a checkpoint, as
+    # an exception raised mid-step or mid-save would lose the step or leave a partial save.
+    signals: list[int] = []
+    previous_handlers = {
+        sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
+        for sig in PREEMPT_SIGNALS
+    }
     runtime = setup_trainer(config)
     lock = None
     monitors = None
@@ -210,6 +236,7 @@ def run(
         tokens_before = state.progress.total_tokens
         # The save after step N is timed in row N + 1, since row N is written before it.
         save_seconds = 0.0
+        preempted = False
         step_started = time.perf_counter()
         for state, metrics in fold(state, source, step_fn, steps):
             step = state.progress.step
@@ -219,6 +246,7 @@ def run(
                 hook_started = time.perf_counter()
                 on_state(state)
                 timing["time/after_step"] = time.perf_counter() - hook_started
+            preempted = agree_preempted(bool(signals), runtime)
             tokens = state.progress.total_tokens - tokens_before
             tokens_before = state.progress.total_tokens
             # Row N is on disk before step_N is committed: a kill in between resumes from an
@@ -241,17 +269,29 @@ def run(
                 is_main=runtime.is_main,
             )
             save_seconds = 0.0
-            if should_checkpoint(
+            if preempted or should_checkpoint(
                 step, config.ckpt.interval, config.max_steps, config.ckpt.save_final
             ):
                 save_seconds = save_and_clean_(state)
             if prof is not None and config.trace_steps and step - start_step >= config.trace_steps:
                 save_trace(prof, config.trace_path, runtime.rank)
                 prof = None
+            if preempted:
+                break
             step_started = time.perf_counter()
         if runtime.is_main and save_seconds:
             # No row follows the last save to carry its time.
             print(f"saved step_{state.progress.step} in {save_seconds:.2f} s", flush=True)
+        if preempted:
+            code = config.runtime.preempt_exit_code
+            if runtime.is_main:
+                by = signal.Signals(signals[0]).name if signals else "a signal to another rank"
+                print(
+                    f"preempted by {by}: stopped after checkpointing step {state.progress.step}, "
+                    f"exit status {code}",
+                    flush=True,
+                )
+            raise Preempted(code)
         return state
     finally:
         if prof is not None:
@@ -261,4 +301,5 @@ def run(
         teardown_trainer(runtime)
         if lock is not None:
             lock.close()
-        signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)

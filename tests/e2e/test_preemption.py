@@ -1,0 +1,106 @@
+"""Preemption: SIGTERM or SIGUSR1 checkpoints the step the run is at, exits with
+runtime.preempt_exit_code, and `--resume latest` then continues exactly."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fnt.monitors import METRICS_FILE, read_metrics
+from fnt.resume import resolve_resume_step
+from tests.e2e.helpers import REPO, TORCHRUN, assert_resumed_run_matches, config_args, run_script
+
+# Many more steps than the signal needs to land: the run must still be training when it does.
+N, K = 40, 2
+EXACT_KEYS = ("loss/mean", "optim/grad_norm", "optim/lr", "progress/num_tokens")
+
+
+def args(model_dir, out, *extra):
+    return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's workers), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for_rows(path: Path, rows: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run exited {proc.returncode} before row {rows}"
+        if path.exists() and len(path.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{path} did not reach {rows} rows in {timeout} s")
+
+
+@pytest.mark.parametrize(
+    ("nproc", "sig", "code"),
+    [(0, signal.SIGTERM, 143), (0, signal.SIGUSR1, 99), (2, signal.SIGTERM, 143)],
+    ids=["1rank", "1rank-SIGUSR1-code99", "2ranks"],
+)
+def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
+    tiny_model_dir, tmp_path, nproc, sig, code
+):
+    full = tmp_path / "full"
+    run_script("sft.py", *args(tiny_model_dir, full), nproc=nproc)
+
+    out = tmp_path / "preempted"
+    launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
+    with subprocess.Popen(
+        [
+            *launcher,
+            str(REPO / "scripts" / "sft.py"),
+            *args(tiny_model_dir, out, "--runtime.preempt-exit-code", str(code)),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            wait_for_rows(out / METRICS_FILE, K, proc)
+            # Under torchrun only one worker is signalled: the ranks must agree to stop together.
+            # (torchrun itself, when signalled, forwards SIGTERM to all its workers.)
+            target = max(children(proc.pid)) if nproc else proc.pid
+            os.kill(target, sig)
+            stdout, stderr = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    if nproc:
+        # torchrun fails itself and reports its workers' exit status. Once the first worker has
+        # exited, torchrun SIGTERMs the others, which may still be shutting down by then (their
+        # checkpoint is committed: the save ends with a barrier).
+        assert proc.returncode != 0
+        statuses = [int(s) for s in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+        assert code in statuses and set(statuses) <= {code, -signal.SIGTERM}, stderr[-4000:]
+    else:
+        assert proc.returncode == code, stderr[-4000:]
+        assert "Traceback" not in stderr, stderr[-4000:]
+    stopped = [r["step"] for r in read_metrics(out)]
+    last = stopped[-1]
+    assert stopped == list(range(1, last + 1)) and K <= last < N, stopped
+    assert resolve_resume_step("latest", out / "checkpoints") == last
+    assert f"stopped after checkpointing step {last}, exit status {code}" in stdout
+
+    run_script("sft.py", *args(tiny_model_dir, out, "--resume", "latest"), nproc=nproc)
+    assert_resumed_run_matches(full, out, last, N, EXACT_KEYS, tmp_path)
