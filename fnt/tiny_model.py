@@ -60,7 +60,7 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namesp
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=args.tie,
     )
     if args.moe:
         return Qwen3MoeConfig(
@@ -91,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fnt make-tiny-model", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="directory to write")
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of a dense Llama")
+    p.add_argument("--tie", action="store_true", help="tie the LM head to the input embedding")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)

@@ -3,7 +3,8 @@
 A step function hands its per-micro-batch loss to `accumulate_gradients_`, then calls
 `optimizer_update_` once. Both SFT and RL normalize by the GLOBAL number of loss tokens of the
 step (all micro-batches, all ranks), so k micro-batches or n ranks give the gradient of one big
-batch.
+batch. A loss sees the model only through the log-probabilities of its loss tokens, which the LM
+head computes in chunks without ever holding the full logits (fnt/lm_head.py).
 """
 
 from __future__ import annotations
@@ -16,15 +17,26 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fnt.batch import PackedRows, block_causal_mask, to_device
+from fnt.config import ModelConfig
+from fnt.lm_head import (
+    LossTokens,
+    TokenLogprobs,
+    chunked_head,
+    logprobs_from_logits,
+    logprobs_of,
+    loss_tokens_of,
+)
 from fnt.metrics import merge_metrics
 from fnt.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
 from fnt.optim import set_lr_
 from fnt.schedule import lr_at
 from fnt.setup import Runtime
 
-# (logits [B, T, V], micro-batch on the device) -> (sum of the per-token loss over loss tokens,
-# extra metric sums). The loss sum must be a differentiable scalar; the sums are detached scalars.
-LossFn = Callable[[Tensor, Any], tuple[Tensor, dict[str, Tensor]]]
+# (the log-probabilities of the micro-batch's N loss tokens, the micro-batch on the device) ->
+# (sum of the per-token loss over the loss tokens, extra metric sums). The loss sum must be a
+# differentiable scalar that depends on the model only through TokenLogprobs.logp [N]; the sums
+# are detached scalars. TokenLogprobs.entropy is set when accumulate_gradients_ is asked for it.
+LossFn = Callable[[TokenLogprobs, Any], tuple[Tensor, dict[str, Tensor]]]
 
 
 def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
@@ -77,6 +89,23 @@ def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
     ).logits
 
 
+def forward_loss_tokens(
+    model: nn.Module, rows: PackedRows, tokens: LossTokens, chunk_tokens: int
+) -> tuple[Tensor, TokenLogprobs]:
+    """The model's forward over packed rows: the head's output and the loss tokens' logprobs.
+
+    chunk_tokens > 0: the head computes the logprobs in chunks of that many loss tokens and its
+    output is their [1 or 2, N] statistics (fnt.lm_head.chunked_head). 0: the head's output is the
+    full logits [B, T, V], from which the loss tokens' logprobs are taken.
+    """
+    if chunk_tokens == 0:
+        logits = packed_logits(model, rows)
+        return logits, logprobs_from_logits(logits, tokens)
+    with chunked_head(model, tokens, chunk_tokens):
+        stats = packed_logits(model, rows)  # what the head returned: the statistics
+    return stats, logprobs_of(stats, tokens)
+
+
 @dataclass(frozen=True)
 class StepTotals:
     """Global sums over ranks and micro-batches of one step's forward/backward."""
@@ -106,16 +135,24 @@ def accumulate_gradients_(
     runtime: Runtime,
     loss_fn: LossFn,
     rows_of: Callable[[Any], PackedRows] = lambda mb: mb,
+    *,
+    temperatures_of: Optional[Callable[[Any], Tensor]] = None,
+    entropy: bool = False,
+    chunk_tokens: int = ModelConfig.loss_chunk_tokens,
 ) -> StepTotals:
     """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
 
     `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
-    rows. Trailing micro-batches that have no loss token on any rank are not run (see
+    rows. `loss_fn` gets the loss tokens' logprobs at the temperatures `temperatures_of(mb)`
+    ([B, T], token t's at t; None means 1), with their entropies when `entropy` is true, computed
+    in chunks of `chunk_tokens` loss tokens (0: from the full logits; model.loss_chunk_tokens).
+    Trailing micro-batches that have no loss token on any rank are not run (see
     `micro_batches_to_run`). A micro-batch whose loss is NaN/inf is left out of the loss and
     counted. In a single process its backward is skipped. Under FSDP2 every rank must run the
-    same backward collectives, so it back-propagates an all-zero surrogate instead; should
-    non-finite values still reach the gradients, the global grad norm is non-finite and
-    `optimizer_update_` skips the update. Checking finiteness costs one host sync per micro-batch.
+    same backward collectives, so it back-propagates an all-zero surrogate instead, through the
+    head's output and so through every parameter the real loss reaches; should non-finite values
+    still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
+    the update. Checking finiteness costs one host sync per micro-batch.
     """
     device, distributed = runtime.device, runtime.distributed
     loss_tokens_per_mb = [int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
@@ -140,12 +177,15 @@ def accumulate_gradients_(
     moe_stats = None
     for mb in batch.micro_batches[: micro_batches_to_run(loss_tokens_per_mb, runtime)]:
         mb = to_device(mb, device)
+        rows = rows_of(mb)
+        temperatures = None if temperatures_of is None else temperatures_of(mb)
+        wanted = loss_tokens_of(rows, temperatures, entropy)
         with record_router_logits(model) as router_logits:
-            logits = packed_logits(model, rows_of(mb))
+            head_out, logprobs = forward_loss_tokens(model, rows, wanted, chunk_tokens)
         if top_k:
             stats = router_stats(router_logits, top_k)
             moe_stats = stats if moe_stats is None else moe_stats + stats
-        mb_loss, mb_sums = loss_fn(logits, mb)
+        mb_loss, mb_sums = loss_fn(logprobs, mb)
         if bool(torch.isfinite(mb_loss)):
             (mb_loss * scale).backward()
             loss_sum += mb_loss.detach()
@@ -156,7 +196,9 @@ def accumulate_gradients_(
             for key in mb_sums:  # every rank must all-reduce the same keys
                 sums.setdefault(key, torch.zeros((), device=device))
             if distributed:
-                (logits.sum() * 0.0).backward()
+                # Linear in the head's output, so its zero gradient passes no NaN or inf of the
+                # output on to the parameters.
+                (head_out.sum() * 0.0).backward()
     keys = sorted(sums)
     reduced = all_reduce_sum(
         torch.stack(

@@ -15,6 +15,9 @@ tau_t the temperature token t was sampled at, A_t its advantage and q_t its infe
     loss     = sum of l_t over the loss tokens of every micro-batch on every rank / N
     N        = the global number of loss tokens of the step, masked tokens included
 
+The LM head computes logp_t (and H_t below) in chunks of `model.loss_chunk_tokens` loss tokens,
+without ever holding the full logits (fnt/lm_head.py).
+
 `masked_t` is decided on values, without gradient: a token whose ratio has already moved past
 the bound in the direction its advantage pushes gets no policy-gradient term (PPO clipping
 without the min). Masked tokens stay in N, so one denominator serves every term and masking a
@@ -41,33 +44,18 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fnt.batch import RLBatch, RLMicroBatch
 from fnt.config import RLLossConfig
+from fnt.lm_head import TokenLogprobs
+from fnt.setup import Runtime
 from fnt.state import TrainState
 from fnt.update import StepTotals, accumulate_gradients_, complete_step_
 
 # The metric sums every micro-batch's loss returns. All keys are always present: the sums are
 # all-reduced as one stacked tensor, so every rank must send the same keys.
 SUM_KEYS = ("entropy", "masked_high", "masked_low", "mismatch_kl", "mismatch_tokens")
-
-
-def loss_token_logprobs(logits: Tensor, mb: RLMicroBatch) -> tuple[Tensor, Tensor]:
-    """logp [N] (float32, differentiable) and entropy [N] (detached) of the N loss tokens.
-
-    Tokens are in row-major order, as `tensor[:, 1:][loss_mask[:, 1:]]` orders them. Only the
-    loss tokens' logits are cast to float32: prompts are often most of a row, and a float32 copy
-    of all [B, T, V] logits would dominate memory at large vocabularies.
-    """
-    mask = mb.rows.loss_mask[:, 1:]
-    targets = mb.rows.input_ids[:, 1:][mask]
-    z = logits[:, :-1][mask].float() / mb.temperatures[:, 1:][mask].float()[:, None]
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    with torch.no_grad():
-        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-    return logp, entropy
 
 
 def policy_loss(
@@ -100,16 +88,35 @@ def policy_loss(
 
 
 def rl_loss(
-    logits: Tensor, mb: RLMicroBatch, config: RLLossConfig
+    logprobs: TokenLogprobs, mb: RLMicroBatch, config: RLLossConfig
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The LossFn of RL (with its config bound): the loss sum and the metric sums of SUM_KEYS."""
+    """The LossFn of RL (with its config bound): the loss sum and the metric sums of SUM_KEYS.
+
+    `logprobs` are at the sampling temperatures, with entropies (see `rl_gradients_`).
+    """
     mask = mb.rows.loss_mask[:, 1:]
-    logp, entropy = loss_token_logprobs(logits, mb)
     inference = mb.inference_logprobs
     if inference is not None:
         inference = inference[:, 1:][mask].float()
-    loss, sums = policy_loss(logp, inference, mb.advantages[:, 1:][mask].float(), config)
-    return loss, {"entropy": entropy.sum(), **sums}
+    loss, sums = policy_loss(logprobs.logp, inference, mb.advantages[:, 1:][mask].float(), config)
+    return loss, {"entropy": logprobs.entropy.sum(), **sums}
+
+
+def rl_gradients_(
+    model: nn.Module, batch: RLBatch, runtime: Runtime, config: RLLossConfig, chunk_tokens: int
+) -> StepTotals:
+    """accumulate_gradients_ with the RL loss: logprobs and entropies at each token's sampling
+    temperature, in chunks of `chunk_tokens` loss tokens (0: from the full logits)."""
+    return accumulate_gradients_(
+        model,
+        batch,
+        runtime,
+        lambda logprobs, mb: rl_loss(logprobs, mb, config),
+        rows_of=lambda mb: mb.rows,
+        temperatures_of=lambda mb: mb.temperatures,
+        entropy=True,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
@@ -136,13 +143,12 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     """One optimizer update over this rank's micro-batches with the loss of `state.config.loss`."""
     batch.check()
     state.check_current()
-    config = state.config.loss
     started = time.perf_counter()
-    totals = accumulate_gradients_(
+    totals = rl_gradients_(
         state.handles.model,
         batch,
         state.handles.runtime,
-        lambda logits, mb: rl_loss(logits, mb, config),
-        rows_of=lambda mb: mb.rows,
+        state.config.loss,
+        state.config.model.loss_chunk_tokens,
     )
     return complete_step_(state, batch, totals, rl_metrics(totals), time.perf_counter() - started)

@@ -2,7 +2,9 @@
 on the referents of `state.handles`; it does not log, print, checkpoint or profile.
 
 Loss: token-level cross entropy summed over the loss tokens of every micro-batch on every rank,
-divided by the GLOBAL number of loss tokens of the step (fnt.update.accumulate_gradients_).
+divided by the GLOBAL number of loss tokens of the step (fnt.update.accumulate_gradients_). The
+cross entropy of a token is -log softmax(logits)[token], in float32, computed by the LM head in
+chunks of `model.loss_chunk_tokens` loss tokens (fnt/lm_head.py).
 """
 
 from __future__ import annotations
@@ -10,27 +12,17 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fnt.batch import PackedRows, SftBatch
+from fnt.lm_head import TokenLogprobs
 from fnt.state import TrainState
 from fnt.update import accumulate_gradients_, complete_step_
 
 
-def token_loss_sum(logits: Tensor, rows: PackedRows) -> Tensor:
-    """Sum of cross entropy over the loss tokens (logits at t-1 predict the token at t)."""
-    targets = rows.input_ids[:, 1:]
-    mask = rows.loss_mask[:, 1:]
-    losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="none"
-    )
-    return (losses * mask.flatten()).sum()
-
-
-def sft_loss(logits: Tensor, rows: PackedRows) -> tuple[Tensor, dict[str, Tensor]]:
-    """The LossFn of SFT: the cross-entropy sum and no extra metric sums."""
-    return token_loss_sum(logits, rows), {}
+def sft_loss(logprobs: TokenLogprobs, rows: PackedRows) -> tuple[Tensor, dict[str, Tensor]]:
+    """The LossFn of SFT: the cross-entropy sum over the loss tokens, no extra metric sums."""
+    return -logprobs.logp.sum(), {}
 
 
 def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
@@ -38,7 +30,13 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
     batch.check()
     state.check_current()
     started = time.perf_counter()
-    totals = accumulate_gradients_(state.handles.model, batch, state.handles.runtime, sft_loss)
+    totals = accumulate_gradients_(
+        state.handles.model,
+        batch,
+        state.handles.runtime,
+        sft_loss,
+        chunk_tokens=state.config.model.loss_chunk_tokens,
+    )
     loss_mean = totals.loss_sum / max(totals.loss_tokens, 1.0)
     return complete_step_(
         state,

@@ -9,6 +9,7 @@ import torch
 
 from fnt.batch import PackedRows, RLMicroBatch
 from fnt.config import RLLossConfig
+from fnt.lm_head import logprobs_from_logits, loss_tokens_of
 from fnt.update import StepTotals
 from steps.rl import SUM_KEYS, rl_loss, rl_metrics
 
@@ -47,6 +48,12 @@ def random_case(seed: int, with_inference: bool):
         noisy = torch.cat([torch.zeros(B, 1), own + noise], dim=1)
         inference = torch.where(loss_mask, noisy, float("nan"))
     return logits, micro_batch(input_ids, loss_mask, advantages, temperatures, inference)
+
+
+def loss_of(logits, mb: RLMicroBatch, config: RLLossConfig):
+    """rl_loss on the loss tokens' logprobs and entropies taken from full logits."""
+    tokens = loss_tokens_of(mb.rows, mb.temperatures, entropy=True)
+    return rl_loss(logprobs_from_logits(logits, tokens), mb, config)
 
 
 def reference(logits, mb: RLMicroBatch, config: RLLossConfig):
@@ -90,7 +97,7 @@ def reference(logits, mb: RLMicroBatch, config: RLLossConfig):
 def test_loss_and_gradient_match_the_formulas(seed, with_inference, kl_tau):
     config = RLLossConfig(eps_low=0.2, eps_high=0.28, kl_tau=kl_tau)
     logits, mb = random_case(seed, with_inference)
-    loss, sums = rl_loss(logits, mb, config)
+    loss, sums = loss_of(logits, mb, config)
     loss.backward()
     ref_loss, ref_grad, ref_stats = reference(logits, mb, config)
 
@@ -121,7 +128,7 @@ def test_each_masking_rule():
     inference = torch.cat([torch.zeros(1), own - ratios[1:].log()])[None]
     mb = micro_batch(input_ids, loss_mask, advantages, temperatures, inference)
 
-    loss, sums = rl_loss(logits, mb, config)
+    loss, sums = loss_of(logits, mb, config)
     loss.backward()
     grad_norms = logits.grad[0, :-1].norm(dim=-1)  # row t-1 is the gradient of token t
     assert grad_norms[0] == 0 and grad_norms[2] == 0
@@ -149,7 +156,7 @@ def test_masked_tokens_keep_the_penalty_gradient():
         inference,
     )
 
-    loss, sums = rl_loss(logits, mb, config)
+    loss, sums = loss_of(logits, mb, config)
     loss.backward()
     assert float(sums["masked_high"]) == 1.0
     d_logp = (torch.nn.functional.one_hot(input_ids[0, 1], V) - probs) / temp
@@ -160,7 +167,7 @@ def test_masked_tokens_keep_the_penalty_gradient():
 def test_without_inference_logprobs_the_gradient_is_reinforce():
     config = RLLossConfig(kl_tau=0.7)  # the penalty is 0 in value and gradient without them
     logits, mb = random_case(3, with_inference=False)
-    loss, sums = rl_loss(logits, mb, config)
+    loss, sums = loss_of(logits, mb, config)
     loss.backward()
 
     expected = torch.zeros_like(logits)

@@ -12,8 +12,8 @@ from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
 from fnt.setup import setup_trainer
-from fnt.update import accumulate_gradients_, packed_logits
-from steps.rl import rl_loss, rl_step
+from fnt.update import packed_logits
+from steps.rl import rl_gradients_, rl_step
 
 ROWS, T = 4, 32
 # Different loss-token counts per row, so a per-micro-batch mean would differ from the global one.
@@ -140,13 +140,8 @@ def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir):
 
     def grads_for(micro_batch_size):
         model.zero_grad(set_to_none=True)
-        totals = accumulate_gradients_(
-            model,
-            rl_batch(rows, inference, micro_batch_size),
-            runtime,
-            lambda logits, mb: rl_loss(logits, mb, loss_config),
-            rows_of=lambda mb: mb.rows,
-        )
+        batch = rl_batch(rows, inference, micro_batch_size)
+        totals = rl_gradients_(model, batch, runtime, loss_config, chunk_tokens=16)
         return totals, [p.grad.clone() for p in model.parameters()]
 
     full_totals, full = grads_for(ROWS)
