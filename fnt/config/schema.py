@@ -36,6 +36,8 @@ class ModelConfig:
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel passed to from_pretrained; both honour the packed-document mask."""
+    loss_chunk_tokens: int = 1024
+    """Loss tokens per chunk of the LM head's logits in the loss; 0 computes all logits at once."""
 
 
 @dataclass_json
