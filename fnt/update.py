@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fnt.batch import PackedRows, block_causal_mask, to_device
+from fnt.attention import packed_inputs
+from fnt.batch import PackedRows, to_device
 from fnt.config import ModelConfig
 from fnt.lm_head import (
     LossTokens,
@@ -64,29 +65,10 @@ def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int
     return count
 
 
-def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
-    """The block-causal mask in the form the model's attention kernel honours.
-
-    sdpa takes the boolean mask as is; eager attention adds the mask to its scores, so it needs
-    an additive float mask (0 where visible, the dtype's minimum where not).
-    """
-    mask = block_causal_mask(rows.document_ids)
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(dtype).min
-        )
-    return mask
-
-
 def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
-    """Logits [B, T, V] of packed rows, documents isolated by the block-causal mask."""
-    return model(
-        input_ids=rows.input_ids,
-        position_ids=rows.position_ids,
-        attention_mask=attention_mask_for(model, rows),
-        use_cache=False,
-    ).logits
+    """What the LM head returns over packed rows (the logits [B, T, V], unless fnt.lm_head has
+    replaced it); documents are kept apart as the attention kernel needs (fnt.attention)."""
+    return model(**packed_inputs(model, rows)).logits
 
 
 def forward_loss_tokens(

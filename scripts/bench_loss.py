@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fnt.attention import attention_mask_for
 from fnt.batch import DataPosition, PackedRows, SftBatch
 from fnt.config import ParallelConfig
 from fnt.data.synthetic import synthetic_rows
@@ -41,7 +42,7 @@ from fnt.optim.setup import NO_OFFLOAD
 from fnt.parallel import plan_parallel_dims
 from fnt.setup import Runtime
 from fnt.tiny_model import byte_level_tokenizer, parse_args, tiny_config
-from fnt.update import accumulate_gradients_, attention_mask_for
+from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss
 
 QWEN3_VOCAB = 151_936

@@ -34,8 +34,8 @@ class ModelConfig:
     """Dtype of compute; bfloat16 with float32 parameters keeps float32 masters and checkpoints."""
     ac: bool = False
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    """Attention kernel passed to from_pretrained; both honour the packed-document mask."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel; flash kernels (CUDA) get document boundaries, sdpa/eager a T x T mask."""
     loss_chunk_tokens: int = 1024
     """Loss tokens per chunk of the LM head's logits in the loss; 0 computes all logits at once."""
 
@@ -166,6 +166,8 @@ class RuntimeConfig:
     """Timeout of collective operations, in seconds."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s of one device for perf/mfu; 0 looks it up (CUDA) or assumes 1.0 (CPU)."""
+    preempt_exit_code: int = 143
+    """Exit status after SIGTERM or SIGUSR1: the step is checkpointed and the run stops there."""
 
 
 @dataclass_json

@@ -44,6 +44,16 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     require(config.runtime.dist_timeout_s > 0, "runtime.dist_timeout_s", "must be > 0")
     require(config.runtime.peak_tflops >= 0, "runtime.peak_tflops", "must be >= 0 (0 = auto)")
     require(
+        1 <= config.runtime.preempt_exit_code <= 255,
+        "runtime.preempt_exit_code",
+        "must be an exit status from 1 to 255",
+    )
+    require(
+        config.model.loss_chunk_tokens >= 0,
+        "model.loss_chunk_tokens",
+        "must be >= 0 (0 computes all logits at once)",
+    )
+    require(
         not isinstance(config.resume, int) or isinstance(config.resume, bool) or config.resume >= 0,
         "resume",
         'must be a step number >= 0, "latest", true/false or none',

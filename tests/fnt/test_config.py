@@ -623,3 +623,17 @@ def test_script_print_config_exits_0_with_parseable_json(tmp_path):
     printed = from_json(Config, result.stdout)
     assert printed == load_config(["--config", path, "--seed", "7"])[0]
     assert (printed.max_steps, printed.optim.lr, printed.seed) == (5, 0.25, 7)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--model.loss-chunk-tokens=-1", "'model.loss_chunk_tokens' = -1: must be >= 0"),
+        ("--runtime.preempt-exit-code=0", "'runtime.preempt_exit_code' = 0: must be an exit"),
+        ("--runtime.preempt-exit-code=256", "'runtime.preempt_exit_code' = 256: must be an exit"),
+    ],
+)
+def test_loss_chunks_and_the_preemption_code_are_checked(override, message):
+    config, _ = load_config([override])
+    with pytest.raises(ConfigError, match=message):
+        validate(config, 1)
