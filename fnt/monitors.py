@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -18,6 +20,7 @@ from typing import Any, Mapping
 
 from fnt.config import Config, to_plain
 from fnt.metrics import finite_or_none
+from fnt.transaction import write_synced
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
@@ -74,58 +77,188 @@ class JsonlMonitor:
         self._fh.close()
 
 
+# How many rows may wait for W&B. A healthy W&B takes milliseconds per row, so a full queue means
+# it has stopped keeping up; it is disabled rather than left to grow without bound.
+WANDB_QUEUE_ROWS = 1000
+
+
+def wandb_init_attempts(saved_run_id: str | None, start_step: int, new_run_id: str) -> list[dict]:
+    """The `wandb.init` arguments to try in order, so that the W&B run holds the same rows as
+    metrics.jsonl. Pure.
+
+    A fresh run (start_step 0, or no recorded id) starts the run `new_run_id`. A run resumed at
+    step N first rewinds the recorded run to N (`resume_from`: history after N is dropped, the id
+    stays), else forks a new run from it at N (`fork_from`: the new run shares history up to N),
+    else starts a new run whose config names the old run and step. Both rewind and fork need
+    server support, so each can fail; the W&B step of a row is its step.
+    """
+    if start_step == 0 or saved_run_id is None:
+        return [{"id": new_run_id}]
+    point = f"{saved_run_id}?_step={start_step}"
+    return [
+        {"resume_from": point},
+        {"id": new_run_id, "fork_from": point},
+        {"id": new_run_id, "resumed_from": point},
+    ]
+
+
 class WandbMonitor:
-    """Weights & Biases logging; every failure becomes a warning and disables W&B for the run."""
+    """Weights & Biases logging on a thread of its own, so that W&B never holds up training.
+
+    `log` only puts the row in a bounded queue; a worker thread makes the W&B calls (init, log,
+    finish) in order. W&B is disabled for the rest of the run, with one warning, when a call
+    fails, when a call has not returned after `wandb.timeout_s` seconds, or when the queue is
+    full; metrics.jsonl is unaffected. `close` waits at most `wandb.timeout_s` for the queued rows
+    and `finish`. The worker is a daemon thread: one stuck inside W&B does not keep the process
+    alive.
+    """
 
     def __init__(self, config: Config, start_step: int) -> None:
-        self.run = None
-        try:
-            import wandb
+        self.run = None  # the W&B run, once the worker has created it
+        self.timeout_s = config.wandb.timeout_s
+        self._queue: queue.Queue = queue.Queue(maxsize=WANDB_QUEUE_ROWS)
+        self._lock = threading.Lock()
+        self._disabled = False
+        self._call_started: float | None = None  # when the worker's current W&B call began
+        self._current_call = ""
+        output_dir = Path(config.output_dir)
+        attempts = wandb_init_attempts(
+            recorded_wandb_run_id(output_dir), start_step, uuid.uuid4().hex[:12]
+        )
+        self._thread = threading.Thread(
+            target=self._work, args=(config, output_dir, attempts), name="fnt-wandb", daemon=True
+        )
+        self._thread.start()
 
-            run_id = wandb_run_id_(Path(config.output_dir), fresh=start_step == 0)
-            self.run = wandb.init(
-                project=config.wandb.project,
-                name=config.wandb.name or None,
-                id=run_id,
-                resume="allow",
-                mode=config.wandb.mode,
-                dir=config.output_dir,
-                config=to_plain(config),
-            )
-        except Exception as exc:  # noqa: BLE001 - W&B must never stop training
-            warnings.warn(f"W&B init failed, continuing without it: {exc}", stacklevel=2)
-            self.run = None
+    @property
+    def disabled(self) -> bool:
+        return self._disabled
 
     def log(self, row: Mapping[str, Any]) -> None:
-        if self.run is None:
+        if self._disabled or self._stalled():
             return
         try:
-            values = {k: v for k, v in row.items() if k != "step"}
-            self.run.log(values, step=row["step"])
-        except Exception as exc:  # noqa: BLE001 - W&B must never stop training
-            warnings.warn(
-                f"W&B log failed at step {row['step']}, disabling W&B: {exc}", stacklevel=2
+            self._queue.put_nowait(dict(row))
+        except queue.Full:
+            self._disable(
+                f"W&B has fallen {WANDB_QUEUE_ROWS} rows behind at step {row['step']}, "
+                "disabling W&B (metrics.jsonl has every row)"
             )
-            self.run = None
 
     def close(self) -> None:
-        if self.run is None:
+        if self._disabled or self._stalled():
             return
         try:
-            self.run.finish()
+            self._queue.put_nowait(None)  # the worker finishes the run and ends
+        except queue.Full:
+            self._disable("W&B is too far behind to finish, disabling W&B")
+            return
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            self._disable(
+                f"W&B did not log its last rows and finish within wandb.timeout_s = "
+                f"{self.timeout_s:g} s; giving up on it (metrics.jsonl has every row)"
+            )
+
+    def _stalled(self) -> bool:
+        started = self._call_started
+        if started is None or time.monotonic() - started <= self.timeout_s:
+            return False
+        self._disable(
+            f"W&B {self._current_call} has not returned after wandb.timeout_s = "
+            f"{self.timeout_s:g} s, disabling W&B (metrics.jsonl has every row)"
+        )
+        return True
+
+    def _disable(self, message: str) -> None:
+        with self._lock:
+            if self._disabled:
+                return
+            self._disabled = True
+        warnings.warn(message, stacklevel=3)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        self._current_call = what
+        self._call_started = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._call_started = None
+
+    def _work(self, config: Config, output_dir: Path, attempts: list[dict]) -> None:
+        if not self._init(config, output_dir, attempts):
+            return
+        while True:
+            row = self._queue.get()
+            if self._disabled:
+                return
+            if row is None:
+                try:
+                    self._call("finish", self.run.finish)
+                except Exception as exc:  # noqa: BLE001 - W&B must never stop training
+                    self._disable(f"W&B finish failed: {exc}")
+                return
+            try:
+                values = {k: v for k, v in row.items() if k != "step"}
+                self._call(f"log of step {row['step']}", self.run.log, values, step=row["step"])
+            except Exception as exc:  # noqa: BLE001 - W&B must never stop training
+                self._disable(f"W&B log failed at step {row['step']}, disabling W&B: {exc}")
+                return
+
+    def _init(self, config: Config, output_dir: Path, attempts: list[dict]) -> bool:
+        try:
+            import wandb
         except Exception as exc:  # noqa: BLE001
-            warnings.warn(f"W&B finish failed: {exc}", stacklevel=2)
+            self._disable(f"W&B init failed, continuing without it: {exc}")
+            return False
+        failures = []
+        for attempt in attempts:
+            kwargs = dict(attempt)
+            try:
+                run_config = to_plain(config)
+                if "resumed_from" in kwargs:
+                    run_config["fnt_resumed_from"] = kwargs.pop("resumed_from")
+                self.run = self._call(
+                    "init",
+                    wandb.init,
+                    project=config.wandb.project,
+                    name=config.wandb.name or None,
+                    mode=config.wandb.mode,
+                    dir=config.output_dir,
+                    config=run_config,
+                    **kwargs,
+                )
+            except Exception as exc:  # noqa: BLE001 - try the next way, then give up
+                failures.append(f"{_init_kind(attempt)}: {exc}")
+                continue
+            record_wandb_run_id_(output_dir, self.run.id)
+            if failures:
+                print(f"W&B: {_init_kind(attempt)} after {'; '.join(failures)}", flush=True)
+            return not self._disabled
+        self._disable(f"W&B init failed, continuing without it: {'; '.join(failures)}")
+        return False
 
 
-def wandb_run_id_(output_dir: Path, fresh: bool) -> str:
-    """The W&B run id recorded in the run directory; a fresh run records a new one."""
+def _init_kind(attempt: Mapping[str, Any]) -> str:
+    if "resume_from" in attempt:
+        return f"rewind of {attempt['resume_from']}"
+    if "fork_from" in attempt:
+        return f"fork of {attempt['fork_from']}"
+    if "resumed_from" in attempt:
+        return f"new run {attempt['id']} linked to {attempt['resumed_from']} in its config"
+    return f"new run {attempt['id']}"
+
+
+def recorded_wandb_run_id(output_dir: Path) -> str | None:
+    """The W&B run id recorded in the run directory, if any."""
     path = output_dir / WANDB_ID_FILE
-    if not fresh and path.exists():
-        return path.read_text().strip()
-    run_id = uuid.uuid4().hex[:12]
+    return path.read_text().strip() or None if path.exists() else None
+
+
+def record_wandb_run_id_(output_dir: Path, run_id: str) -> None:
+    """Record the W&B run this run directory logs to (a resume rewinds or forks it)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id + "\n")
-    return run_id
+    write_synced(output_dir / WANDB_ID_FILE, run_id + "\n")
 
 
 def format_duration(seconds: float) -> str:

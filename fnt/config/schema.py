@@ -151,6 +151,8 @@ class WandbConfig:
     """W&B project name."""
     name: str = ""
     """W&B run name; empty lets W&B choose."""
+    timeout_s: float = 60.0
+    """A W&B call (init, log, finish) still running after this many seconds disables W&B."""
 
 
 @dataclass_json

@@ -1,4 +1,4 @@
-"""Monitors: strict JSON lines, trimming after a crash, the console line, W&B offline."""
+"""Monitors: strict JSON lines, trimming after a crash, the console line (W&B: test_wandb.py)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,22 @@ import math
 import os
 import re
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.config import Config, WandbConfig
+from fnt.config import Config
 from fnt.monitors import (
     METRICS_FILE,
-    WANDB_ID_FILE,
     JsonlMonitor,
-    WandbMonitor,
     console_line,
     open_monitors,
     read_metrics,
     rows_through,
     strict_json_line,
     truncate_metrics_,
-    wandb_run_id_,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -197,119 +193,3 @@ def test_console_line_eta(elapsed, steps_done, step, max_steps):
 
 # ---------------------------------------------------------------------------------------------
 # W&B: run id bookkeeping and offline runs
-
-
-def test_wandb_run_id_reuse(tmp_path):
-    out = tmp_path / "run"
-    first = wandb_run_id_(out, fresh=True)
-    assert (out / WANDB_ID_FILE).read_text().strip() == first
-    assert wandb_run_id_(out, fresh=False) == first  # resume: same run
-    second = wandb_run_id_(out, fresh=True)  # a fresh start: a new run
-    assert second != first
-    assert wandb_run_id_(out, fresh=False) == second
-    other = tmp_path / "other"
-    assert wandb_run_id_(other, fresh=False) == (other / WANDB_ID_FILE).read_text().strip()
-
-
-@pytest.fixture
-def wandb_env(tmp_path, monkeypatch):
-    """W&B offline with every file it writes under tmp_path and no account."""
-    for name in (
-        "WANDB_API_KEY",
-        "WANDB_MODE",
-        "WANDB_DIR",
-        "WANDB_RUN_ID",
-        "WANDB_RESUME",
-        "WANDB_PROJECT",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
-    return tmp_path
-
-
-def test_wandb_offline_init_log_finish_and_resume(wandb_env):
-    out = wandb_env / "run"
-    config = Config(
-        output_dir=str(out), wandb=WandbConfig(mode="offline", project="fnt-test", name="t")
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # a W&B failure in fnt surfaces only as a warning
-        monitor = WandbMonitor(config, start_step=0)
-        assert monitor.run is not None
-        run_id = monitor.run.id
-        assert (out / WANDB_ID_FILE).read_text().strip() == run_id
-        monitor.log({"step": 1, "time": 0.1, "loss/mean": 2.0, "perf/mfu": float("nan")})
-        monitor.log({"step": 2, "time": 0.2, "loss/mean": 1.0})
-        assert monitor.run is not None
-        assert "loss/mean" in monitor.run.summary.keys()
-        assert "step" not in monitor.run.summary.keys()
-        monitor.close()
-        runs = list((out / "wandb").glob(f"offline-run-*-{run_id}"))
-        assert len(runs) == 1 and (runs[0] / f"run-{run_id}.wandb").is_file()
-
-        resumed = WandbMonitor(config, start_step=2)
-        assert resumed.run is not None and resumed.run.id == run_id
-        resumed.log({"step": 3, "time": 0.3, "loss/mean": 0.5})
-        resumed.close()
-    assert [str(w.message) for w in caught if "W&B" in str(w.message)] == []
-
-
-def _only_warns(monitor_factory):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor = monitor_factory()
-        monitor.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
-        monitor.close()
-    return monitor, [str(w.message) for w in caught]
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(
-            lambda out: Config(output_dir=out, wandb=WandbConfig(mode="bogus")), id="bad-mode"
-        ),
-        pytest.param(
-            lambda out: Config(output_dir=out, wandb=WandbConfig(mode="offline", project="a/b#?")),
-            id="bad-project",
-        ),
-        pytest.param(
-            lambda out: Config(output_dir=out, seed=object(), wandb=WandbConfig(mode="offline")),
-            id="unserializable-config",
-        ),
-    ],
-)
-def test_wandb_init_failure_only_warns(wandb_env, config):
-    cfg = config(str(wandb_env / "run"))
-    monitor, messages = _only_warns(lambda: WandbMonitor(cfg, start_step=0))
-    assert monitor.run is None
-    assert any("W&B init failed" in m for m in messages), messages
-
-
-def test_wandb_log_failure_only_warns_and_disables(wandb_env):
-    config = Config(output_dir=str(wandb_env / "run"), wandb=WandbConfig(mode="offline"))
-    monitor = WandbMonitor(config, start_step=0)
-    assert monitor.run is not None
-    monitor.run.finish()  # a dead run: logging to it fails inside W&B
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        monitor.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
-        monitor.log({"step": 2, "time": 0.0, "loss/mean": 1.0})
-        monitor.close()
-    messages = [str(w.message) for w in caught]
-    assert monitor.run is None
-    assert sum("W&B log failed at step 1" in m for m in messages) == 1, messages
-    assert not any("step 2" in m for m in messages)
-
-
-def test_wandb_failure_never_costs_the_jsonl_row(wandb_env):
-    config = Config(output_dir=str(wandb_env / "run"), wandb=WandbConfig(mode="bogus"))
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        monitors = open_monitors(config, start_step=0)
-        monitors.log({"step": 1, "time": 0.0, "loss/mean": 1.0})
-        monitors.close()
-    assert read_metrics(config.output_dir) == [{"step": 1, "time": 0.0, "loss/mean": 1.0}]
