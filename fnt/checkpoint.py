@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import warnings
 from datetime import datetime, timezone
 from functools import partial as bind
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fnt.faults import fault_point
 from fnt.resume import (
     ABANDONED_DIR,
     abandoned_names,
@@ -52,18 +52,6 @@ from fnt.transaction import (
 
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
-# Fault injection for the crash tests: "STEP:PHASE" makes rank 0 SIGKILL itself during the save
-# of step STEP, at PHASE "shards" (DCP files written, no marker), "marker" (marker written, not
-# yet renamed) or "committed" (renamed, before keep_last cleanup); or, at PHASE "cleanup", while
-# cleanup deletes step STEP (marker removed, directory not yet). Unset in normal runs.
-FAULT_ENV = "FNT_FAULT_KILL_IN_SAVE"
-
-
-def _fault_point(step: int, phase: str) -> None:
-    if os.environ.get(FAULT_ENV) == f"{step}:{phase}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def should_checkpoint(step: int, interval: int, max_steps: int, save_final: bool) -> bool:
     """Save after this step? Every `interval` steps, and the final step once. Pure."""
     if step == max_steps:
@@ -110,9 +98,9 @@ def save_checkpoint(
             checkpoint_id=str(partial),
             no_dist=not distributed,
         )
+    fault_point("shards", progress.step, rank)
     _barrier(distributed)
     if rank == 0:
-        _fault_point(progress.step, "shards")
         write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
         write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
         # A step_N left by another trajectory is moved aside at the start; should one still be
@@ -122,9 +110,9 @@ def save_checkpoint(
             final,
             f"step {progress.step}\n",
             replace=True,
-            before_rename=bind(_fault_point, progress.step, "marker"),
+            before_rename=bind(fault_point, "marker", progress.step),
         )
-        _fault_point(progress.step, "committed")
+        fault_point("committed", progress.step)
     _barrier(distributed)
     return final
 
@@ -174,7 +162,7 @@ def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:
     for step in doomed:
         path = checkpoint_dir(ckpt_root, step)
         (path / COMPLETE_MARKER).unlink()
-        _fault_point(step, "cleanup")
+        fault_point("cleanup", step)
         shutil.rmtree(path)
     for step in leftovers:
         shutil.rmtree(checkpoint_dir(ckpt_root, step))

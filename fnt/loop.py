@@ -26,6 +26,7 @@ from fnt.checkpoint import (
     should_checkpoint,
 )
 from fnt.config import Config, ConfigError, to_json
+from fnt.faults import fault_point
 from fnt.metrics import (
     disk_metrics,
     flops_per_token,
@@ -240,6 +241,7 @@ def run(
         step_started = time.perf_counter()
         for state, metrics in fold(state, source, step_fn, steps):
             step = state.progress.step
+            fault_point("step", step, runtime.rank)
             step_seconds = time.perf_counter() - step_started
             timing = {"time/step": step_seconds}
             if on_state is not None:
@@ -268,6 +270,7 @@ def run(
                 monitor=monitors,
                 is_main=runtime.is_main,
             )
+            fault_point("row", step, runtime.rank)
             save_seconds = 0.0
             if preempted or should_checkpoint(
                 step, config.ckpt.interval, config.max_steps, config.ckpt.save_final

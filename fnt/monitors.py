@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fnt.config import Config, to_plain
+from fnt.faults import fault_point
 from fnt.metrics import finite_or_none
 from fnt.transaction import write_synced
 
@@ -200,6 +201,7 @@ class WandbMonitor:
                 return
             try:
                 values = {k: v for k, v in row.items() if k != "step"}
+                fault_point("wandb", row["step"])
                 self._call(f"log of step {row['step']}", self.run.log, values, step=row["step"])
             except Exception as exc:  # noqa: BLE001 - W&B must never stop training
                 self._disable(f"W&B log failed at step {row['step']}, disabling W&B: {exc}")

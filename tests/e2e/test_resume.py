@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 
-from fnt.checkpoint import FAULT_ENV
 from fnt.monitors import read_metrics
 from fnt.resume import ABANDONED_DIR, resolve_resume_step
 from tests.e2e.helpers import (
-    REPO,
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    run_killed,
     run_script,
 )
 
@@ -47,25 +42,12 @@ def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
-def run_killed(tiny_model_dir, out, fault, *extra):
-    """A run that SIGKILLs itself at the fault point `fault` (see fnt.checkpoint.FAULT_ENV)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "sft.py"), *args(tiny_model_dir, out, *extra)],
-        cwd=REPO,
-        env={**os.environ, FAULT_ENV: fault, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-
-
 @pytest.mark.parametrize("phase", ["shards", "marker"])
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
     tiny_model_dir, tmp_path, phase
 ):
     out = tmp_path / "run"
-    run_killed(tiny_model_dir, out, f"4:{phase}", "--ckpt.interval", "2")
+    run_killed(*args(tiny_model_dir, out, "--ckpt.interval", "2"), fault=f"{phase}@4")
     assert (out / "checkpoints" / "step_4.partial").is_dir()  # the save really was under way
     assert resolve_resume_step("latest", out / "checkpoints") == 2
 
@@ -89,13 +71,13 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize(
     "fault",
     # Right after step_4's rename; and while the cleanup after that save deletes step_2.
-    ["4:committed", "2:cleanup"],
+    ["committed@4", "cleanup@2"],
 )
 def test_sigkill_after_a_commit_keeps_every_row_exactly_once(
     tiny_model_dir, tmp_path, uninterrupted, fault
 ):
     out = tmp_path / "run"
-    run_killed(tiny_model_dir, out, fault, *KEEP_ONE)
+    run_killed(*args(tiny_model_dir, out, *KEEP_ONE), fault=fault)
     # step_4 is complete, so its row must be there already: nothing would ever write it again.
     assert resolve_resume_step("latest", out / "checkpoints") == 4
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
