@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from fnt.monitors import read_metrics
 from tests.e2e.helpers import REPO, config_args, run_script
@@ -49,14 +54,102 @@ def test_the_rl_command_names_the_config_file_the_model_name_came_from(tmp_path)
     assert f"'model.name' = '{tmp_path / 'absent'}' (file {config}): no Hugging Face" in proc.stderr
 
 
-def test_a_data_error_exits_2_without_a_traceback(tiny_model_dir, tmp_path):
-    sources = f'[{{"path": "{tmp_path / "missing.jsonl"}"}}]'
-    args = config_args(SFT, tiny_model_dir, tmp_path / "run", "--data.kind", "jsonl")
-    proc = run_script("fnt", "sft", *args, "--data.sources", sources, check=False, module=True)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last_line = proc.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: ") and str(tmp_path / "missing.jsonl") in last_line
-    assert "Traceback" not in proc.stderr
+# Runs `fnt` in a fresh interpreter and reports, after it exits, its status and whether any
+# module that builds a model or a process group was imported.
+PROBE = """
+import json, sys
+from fnt.__main__ import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted(m for m in ("fnt.build", "fnt.model", "fnt.setup", "fnt.loop") if m in sys.modules)
+print(json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def _probe(*args: str):
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _bad_inputs(tiny_model_dir, tmp_path):
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, no_tokenizer)
+    for file in no_tokenizer.iterdir():
+        if file.name.startswith(("tokenizer", "vocab", "special_tokens")):
+            file.unlink()
+    not_json = tmp_path / "not-json.jsonl"
+    not_json.write_text("\n{oops\n")
+    no_completion = tmp_path / "no-completion.jsonl"
+    no_completion.write_text('{"prompt": "hi"}\n')
+
+    def sft(model, *extra):
+        return ("sft", *config_args(SFT, model, tmp_path / "run", *extra))
+
+    def jsonl(path):
+        return ("--data.kind", "jsonl", "--data.sources", json.dumps([{"path": str(path)}]))
+
+    rl = ("rl", *config_args("examples/debug/rl.toml", tiny_model_dir, tmp_path / "run"))
+    return {
+        "missing data file": (
+            sft(tiny_model_dir, *jsonl(tmp_path / "missing.jsonl")),
+            f"error: 'data.sources[0].path' = '{tmp_path / 'missing.jsonl'}': cannot read it: "
+            "No such file or directory",
+        ),
+        "data line not JSON": (
+            sft(tiny_model_dir, *jsonl(not_json)),
+            f"error: {not_json}, line 2: Expecting property name",
+        ),
+        "bad first record": (
+            sft(tiny_model_dir, *jsonl(no_completion)),
+            f"error: {no_completion}, line 1: a prompt/completion record needs key 'completion'",
+        ),
+        "missing tokenizer": (
+            sft(no_tokenizer, *jsonl(no_completion)),
+            f"error: 'model.name' = '{no_tokenizer}': no tokenizer files in the model directory",
+        ),
+        "missing prompts file": (
+            (*rl, "--rollout.prompts", str(tmp_path / "missing.jsonl")),
+            f"error: 'rollout.prompts' = '{tmp_path / 'missing.jsonl'}': cannot read it",
+        ),
+        "missing resume step": (
+            sft(tiny_model_dir, "--resume", "7"),
+            "error: resume = 7: no complete checkpoint step_7",
+        ),
+    }
+
+
+BAD_INPUTS = [
+    "missing data file",
+    "data line not JSON",
+    "bad first record",
+    "missing tokenizer",
+    "missing prompts file",
+    "missing resume step",
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line_before_any_model_is_built(tiny_model_dir, tmp_path, case):
+    args, message = _bad_inputs(tiny_model_dir, tmp_path)[case]
+    result, stderr = _probe(*args)
+    assert result == {"code": 2, "heavy": []}, stderr[-3000:]
+    assert len(stderr.strip().splitlines()) == 1 and stderr.startswith(message), stderr
+
+
+def test_under_torchrun_only_rank_0_prints_a_bad_input(tiny_model_dir, tmp_path):
+    args, message = _bad_inputs(tiny_model_dir, tmp_path)["missing data file"]
+    proc = run_script("fnt", *args, nproc=2, check=False, module=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: ") == 1 and message in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_installed_console_script_lists_the_commands():

@@ -1,0 +1,108 @@
+"""Input checks that run before anything heavy: model and tokenizer files, data and prompt files,
+the resume step. Side effects: reads those files (the first record of each data file only).
+
+A mistake in any of them should cost a second and one line, not a minute of imports, process
+groups and model building followed by a traceback. The full checks still run where the inputs are
+used (every record when the data is tokenized); these catch what is wrong at the first glance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+from fnt.config import Config, RLConfig
+from fnt.errors import ConfigError, DataError
+from fnt.resume import resolve_resume_step
+
+# Any one of these is a tokenizer transformers can load without extra packages' guesswork.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+)
+
+
+def check_inputs(config: Config, model_name_source: str) -> None:
+    """Everything checkable before the model is built; raises ConfigError or DataError."""
+    require_model_dir(config.model.name, model_name_source)
+    is_rl = isinstance(config, RLConfig)
+    if is_rl or config.data.kind == "jsonl":
+        require_tokenizer_files(config.model.name, "RL" if is_rl else "data.kind = \"jsonl\"")
+    # Each file is read before the module with its record rules is imported (that costs torch).
+    if not is_rl and config.data.kind == "jsonl":
+        firsts = [
+            first_record(source.path, f"data.sources[{i}].path")
+            for i, source in enumerate(config.data.sources)
+        ]
+        from fnt.data.chat import conversation_from_record
+
+        for first in firsts:
+            check_record(first, conversation_from_record)
+    if is_rl and config.rollout.engine == "in_process":
+        first = first_record(config.rollout.prompts, "rollout.prompts")
+        from fnt.rollout.prompts import prompt_messages
+
+        check_record(first, prompt_messages)
+    # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
+    resolve_resume_step(config.resume, Path(config.output_dir) / "checkpoints")
+
+
+def require_model_dir(name: str, source: str) -> None:
+    """Raise ConfigError unless `name` is a directory holding a Hugging Face config.json.
+
+    Checked up front because from_pretrained, given a missing directory, fails only after the
+    heavy imports, with a message about the Hugging Face Hub.
+    """
+    if name and os.path.isfile(os.path.join(name, "config.json")):
+        return
+    target = shlex.quote(name) if name else "DIR"
+    raise ConfigError(
+        f"'model.name' = {name!r} ({source}): no Hugging Face model there (expected a directory "
+        "with config.json); point it at a local model directory, or for a tiny test model (the "
+        f"debug configs use one) create it with: fnt make-tiny-model --out {target}"
+    )
+
+
+def require_tokenizer_files(name: str, needed_by: str) -> None:
+    """Raise ConfigError unless the model directory holds tokenizer files (`needed_by` says what
+    needs a tokenizer). transformers would otherwise suggest installing sentencepiece."""
+    if any(os.path.isfile(os.path.join(name, file)) for file in TOKENIZER_FILES):
+        return
+    raise ConfigError(
+        f"'model.name' = {name!r}: no tokenizer files in the model directory (expected one of "
+        f"{', '.join(TOKENIZER_FILES)}), and {needed_by} needs a tokenizer; copy the tokenizer "
+        "files that belong to the model into it"
+    )
+
+
+def first_record(path: str, key: str) -> tuple[str, int, object]:
+    """(path, line number, parsed JSON) of the first non-blank line of the file at `key`;
+    DataError if it cannot be read, is empty, or that line is not JSON."""
+    try:
+        with open(path, "rb") as file:
+            for line_number, line in enumerate(file, start=1):
+                if line.strip():
+                    break
+            else:
+                raise DataError(f"'{key}' = {path!r}: the file is empty (no JSONL records)")
+    except OSError as e:
+        raise DataError(f"'{key}' = {path!r}: cannot read it: {e.strerror or e}") from e
+    try:
+        return path, line_number, json.loads(line.decode("utf-8"))
+    except ValueError as e:  # also bad UTF-8, which subclasses ValueError
+        raise DataError(f"{path}, line {line_number}: {e}") from e
+
+
+def check_record(first: tuple[str, int, object], parse) -> None:
+    """DataError unless `parse` (which raises ValueError with the reason) accepts the record."""
+    path, line_number, record = first
+    try:
+        parse(record)
+    except ValueError as e:
+        raise DataError(f"{path}, line {line_number}: {e}") from e
