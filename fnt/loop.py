@@ -11,6 +11,8 @@ import fcntl
 import os
 import signal
 import socket
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional
@@ -164,6 +166,31 @@ def lock_output_dir_(output_dir: Path) -> IO[str]:
     return lock
 
 
+def exit_with_launcher_(poll_s: float = 0.5) -> None:
+    """Under torchrun, end this worker when torchrun dies.
+
+    torchrun stops its workers when it exits normally, but a torchrun killed with SIGKILL (or
+    only its process group leader) leaves them running, still writing into a directory that a
+    restarted job is using. A daemon thread watches the parent pid: when the worker is
+    reparented, the launcher is gone, and the worker exits at once (status 1, one line on stderr).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        print(
+            f"rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fnt-launcher-watch", daemon=True).start()
+
+
 # What schedulers send before they kill a job (SLURM: SIGTERM, or SIGUSR1 via --signal).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -200,8 +227,9 @@ def run(
     runs on every rank for the start state and after each update, before the checkpoint (e.g. to
     publish weights to an external rollout engine); its time is logged as time/after_step.
 
-    Rank 0 holds the output directory's lock for the whole run (`lock_output_dir_`). After
-    SIGTERM or SIGUSR1 the run checkpoints the step it is at and raises `Preempted`.
+    Rank 0 holds the output directory's lock for the whole run (`lock_output_dir_`); under
+    torchrun each worker exits when torchrun dies (`exit_with_launcher_`). After SIGTERM or
+    SIGUSR1 the run checkpoints the step it is at and raises `Preempted`.
     """
     # A signal only takes note: the loop stops at the next step boundary, after a checkpoint, as
     # an exception raised mid-step or mid-save would lose the step or leave a partial save.
@@ -210,6 +238,7 @@ def run(
         sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
         for sig in PREEMPT_SIGNALS
     }
+    exit_with_launcher_()
     runtime = setup_trainer(config)
     lock = None
     monitors = None

@@ -14,7 +14,7 @@ import pytest
 from fnt.errors import ConfigError
 from fnt.loop import LOCK_FILE, lock_output_dir_
 from fnt.monitors import METRICS_FILE
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_script
 
 
 def test_the_lock_is_exclusive_and_names_its_holder(tmp_path):
@@ -82,3 +82,53 @@ def test_a_second_run_on_the_same_directory_exits_2_naming_the_first(tiny_model_
         "sft.py",
         *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "2"),
     )
+
+
+def _children(pid: int) -> list[int]:
+    tasks = f"/proc/{pid}/task/{pid}/children"
+    with open(tasks) as file:
+        return [int(child) for child in file.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_exit_when_torchrun_is_killed(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [
+            *TORCHRUN,
+            "--nproc-per-node",
+            "2",
+            str(REPO / "scripts" / "sft.py"),
+            *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "100000"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workers: list[int] = []
+    try:
+        wait_for_rows(out / METRICS_FILE, 1, launcher)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.send_signal(signal.SIGKILL)  # torchrun alone, not its process group
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "workers outlived their launcher"
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
