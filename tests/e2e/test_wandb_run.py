@@ -3,13 +3,17 @@ warning (the W&B calls run on a thread of their own, fnt.monitors.WandbMonitor).
 
 from __future__ import annotations
 
+import pytest
+
 from fnt.monitors import read_metrics
 from tests.e2e.helpers import REPO, config_args, run_script
 
 SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"
 
 
-def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
+def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_path, nproc):
+    # At 2 ranks a rank 0 held up by W&B would also leave rank 1 waiting in its collectives.
     out = tmp_path / "run"
     proc = run_script(
         "sft.py",
@@ -19,8 +23,9 @@ def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_p
         "--wandb.timeout-s",
         "1",
         env={"PYTHONPATH": f"{SLOW_WANDB}:{REPO}"},
+        nproc=nproc,
         # Each of the 4 logs takes 30 s: a run that waited for W&B would be killed here.
-        timeout=25,
+        timeout=25 if nproc == 0 else 28,
     )
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
     warned = [
