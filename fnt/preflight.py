@@ -33,7 +33,7 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     require_model_dir(config.model.name, model_name_source)
     is_rl = isinstance(config, RLConfig)
     if is_rl or config.data.kind == "jsonl":
-        require_tokenizer_files(config.model.name, "RL" if is_rl else "data.kind = \"jsonl\"")
+        require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "jsonl"')
     # Each file is read before the module with its record rules is imported (that costs torch).
     if not is_rl and config.data.kind == "jsonl":
         firsts = [

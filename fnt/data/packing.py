@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fnt.batch import DataPosition, PackedRows
 from fnt.data.corpus import Corpus, SampleFate
-from fnt.data.order import SampleOrder
+from fnt.data.order import SampleOrder, source_quotas
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ def plan_step(
     row: list[int] = []
     filled = 0
     skipped: list[int] = []
+    skipped_in_a_row = 0
     samples = order.iter_from(start)
     while True:
         position, sample_id = next(samples)
@@ -57,7 +58,13 @@ def plan_step(
             raise ValueError(f"sample {sample_id} has {length} tokens, more than seq_len={seq_len}")
         if length == 0:
             skipped.append(sample_id)
+            skipped_in_a_row += 1
+            # A whole epoch without a usable sample: make sure one will ever come (the order is
+            # endless, so otherwise this loop would be too). Checked once, only in that case.
+            if skipped_in_a_row == order.epoch_length:
+                require_a_drawable_sample(order, sample_length)
             continue
+        skipped_in_a_row = 0
         if filled + length > seq_len:
             if len(rows) + 1 == batch_size:
                 return StepPlan(tuple([*rows, tuple(row)]), tuple(skipped), position)
@@ -65,6 +72,20 @@ def plan_step(
             row, filled = [], 0
         row.append(sample_id)
         filled += length
+
+
+def require_a_drawable_sample(order: SampleOrder, sample_length: Callable[[int], int]) -> None:
+    """ValueError unless some source the order draws from (a share of an epoch above 0) has a
+    usable sample (length > 0); over enough epochs, the order then reaches it."""
+    first = 0
+    for size, quota in zip(order.source_sizes, source_quotas(order.source_sizes, order.weights)):
+        if quota and any(sample_length(i) for i in range(first, first + size)):
+            return
+        first += size
+    raise ValueError(
+        "no sample the data order draws is usable: each source either has no usable sample or a "
+        "weight so small that its share of an epoch rounds to 0 samples"
+    )
 
 
 def pack_rows(

@@ -6,11 +6,12 @@ from itertools import islice
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from fnt.batch import DataPosition
 from fnt.data import SampleOrder, pack_rows, plan_step, step_metrics
+from fnt.data.order import source_quotas
 
 SEQ_LEN = 16
 
@@ -39,11 +40,36 @@ def planned_streams(draw):
     )
 
 
+def drawable(lengths, weights) -> bool:
+    """Whether some source with a share of the epoch above 0 has a usable sample."""
+    quotas = source_quotas([len(source) for source in lengths], weights)
+    return any(quota and any(source) for source, quota in zip(lengths, quotas))
+
+
 def build(make_corpus, stream):
     lengths, weights, seed, shuffle, start, batch_size = stream
+    assume(drawable(lengths, weights))  # else plan_step refuses (tested below)
     corpus = make_corpus(lengths)
     order = SampleOrder(corpus.source_sizes, weights, seed=seed, shuffle=shuffle)
     return corpus, order, start, batch_size
+
+
+@pytest.mark.parametrize(
+    "lengths, weights, quotas",
+    [
+        # Source 0's share of a 2-sample epoch is 2 * 0.5 / 2.5 = 0.4, which rounds to 0.
+        ([[SEQ_LEN], [0]], (0.5, 2.0), (0, 2)),
+        ([[0, 0], [SEQ_LEN], [0, 0, 0]], (1.0, 0.1, 1.0), (3, 0, 3)),
+    ],
+)
+def test_an_order_that_never_draws_a_usable_sample_is_refused_not_looped_over(
+    make_corpus, lengths, weights, quotas
+):
+    corpus = make_corpus(lengths)
+    order = SampleOrder(corpus.source_sizes, weights, seed=0, shuffle=True)
+    assert source_quotas(order.source_sizes, order.weights) == quotas
+    with pytest.raises(ValueError, match="no sample the data order draws is usable"):
+        plan_step(order, DataPosition(1, 1), corpus.length, seq_len=SEQ_LEN, batch_size=2)
 
 
 @given(planned_streams())
