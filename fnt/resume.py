@@ -185,6 +185,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "wandb.mode": MAY_CHANGE,
     "wandb.project": MAY_CHANGE,
     "wandb.name": MAY_CHANGE,
+    "wandb.timeout_s": MAY_CHANGE,
     "runtime.num_threads": MAY_CHANGE,
     "runtime.matmul_precision": MAY_CHANGE,
     "runtime.dist_timeout_s": MAY_CHANGE,
