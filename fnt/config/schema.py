@@ -192,7 +192,7 @@ class Config:
     resume: int | bool | Literal["latest"] | None = None
     """None: start fresh; "latest": newest complete checkpoint if any; N: checkpoint step_N."""
     resume_force: bool = False
-    """Resume even if seed, data, batch_size, seq_len or model differ from the checkpoint's."""
+    """--resume.force: resume even if seed, data, batch size, seq_len or model changed."""
     trace_path: str | None = None
     """Write a torch profiler trace per rank to trace_path/trace_{rank}.json.gz."""
     trace_steps: int = 0
