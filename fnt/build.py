@@ -15,7 +15,7 @@ from typing import Any, Union
 from fnt.checkpoint import load_checkpoint_
 from fnt.config import Config, RLConfig
 from fnt.model import load_model
-from fnt.optim.setup import apply_compute_dtype_, setup_optimizer
+from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
 from fnt.setup import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
 
@@ -66,7 +66,8 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
 
 def restore_(state: TrainState, checkpoint_dir: Union[str, Path]) -> TrainState:
     """Load a complete checkpoint into the state's model and optimizer (in place, a collective
-    under torchrun) and return the restored state, whose Progress is the checkpoint's.
+    under torchrun) and return the restored state, whose Progress is the checkpoint's. The
+    optimizer then gets the hyperparameters of `state.config` (loading restored the saved ones).
 
     `state` must be current; afterwards it is consumed, like a state that was stepped.
     """
@@ -78,5 +79,6 @@ def restore_(state: TrainState, checkpoint_dir: Union[str, Path]) -> TrainState:
         handles.optimizer,
         distributed=handles.runtime.distributed,
     )
+    set_hyperparameters_(handles.optimizer, state.config.optim)
     handles.cursor.move_(state.progress.step, progress.step)
     return dataclasses.replace(state, progress=progress)

@@ -2,14 +2,16 @@
 
 Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and optimizer
 (`.metadata`, `__*_*.distcp`), `progress.json` (Progress, with the data position), `meta.json`
-(the model directory, for export) and the marker `COMPLETE`.
+(the model directory, for export), `config.json` (the resolved config the checkpoint was written
+with, which a resume reconciles with its own: fnt.resume.reconcile_config) and the marker
+`COMPLETE`.
 
 How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
-barrier, rank 0 writes `progress.json` and `meta.json`, fsyncs everything, writes `COMPLETE`,
-renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step` counts only
-directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save leaves the
-previous checkpoint as the newest complete one. The learning rate is derived from the step, so
-there is no scheduler state.
+barrier, rank 0 writes `progress.json`, `meta.json` and `config.json`, fsyncs everything, writes
+`COMPLETE`, renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step`
+counts only directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save
+leaves the previous checkpoint as the newest complete one. The learning rate is derived from
+the step, so there is no scheduler state.
 
 A run that starts at step N first moves newer complete checkpoints and unfinished saves into
 `abandoned/<UTC time>/` (`abandon_newer_`), so the new trajectory never meets the old one.
@@ -24,12 +26,13 @@ import warnings
 from datetime import datetime, timezone
 from functools import partial as bind
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fnt.config import Config, to_json
 from fnt.faults import fault_point
 from fnt.resume import (
     ABANDONED_DIR,
@@ -52,6 +55,9 @@ from fnt.transaction import (
 
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
+CONFIG_FILE = "config.json"
+
+
 def should_checkpoint(step: int, interval: int, max_steps: int, save_final: bool) -> bool:
     """Save after this step? Every `interval` steps, and the final step once. Pure."""
     if step == max_steps:
@@ -81,8 +87,12 @@ def save_checkpoint(
     model_name: str,
     rank: int,
     distributed: bool,
+    config: Optional[Config] = None,
 ) -> Path:
-    """Write step_{progress.step} as a transaction (see the module docstring)."""
+    """Write step_{progress.step} as a transaction (see the module docstring).
+
+    `config`, when given, is recorded as the checkpoint's config.json, for a resume to reconcile.
+    """
     final = checkpoint_dir(ckpt_root, progress.step)
     partial = partial_dir(final)
     if rank == 0:
@@ -103,6 +113,8 @@ def save_checkpoint(
     if rank == 0:
         write_synced(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
         write_synced(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
+        if config is not None:
+            write_synced(partial / CONFIG_FILE, to_json(config) + "\n")
         # A step_N left by another trajectory is moved aside at the start; should one still be
         # there (a directory copied in by hand), this save is the one to keep.
         commit_dir_(
@@ -140,6 +152,15 @@ def read_progress(path: Path) -> Progress:
 
 def read_meta(path: Path) -> dict:
     return json.loads((path / META_FILE).read_text())
+
+
+def read_saved_config(path: Path) -> Optional[dict]:
+    """The config a checkpoint was written with, as a plain dict; None for a checkpoint that
+    does not record one (written by an fnt that did not, or by a caller that passed none)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        return None
+    return json.loads(file.read_text())
 
 
 def cleanup_checkpoints_(ckpt_root: Path, keep_last: int) -> list[int]:

@@ -24,10 +24,11 @@ from fnt.build import init_state, restore_
 from fnt.checkpoint import (
     abandon_newer_,
     cleanup_checkpoints_,
+    read_saved_config,
     save_checkpoint,
     should_checkpoint,
 )
-from fnt.config import Config, ConfigError, to_json
+from fnt.config import Config, ConfigError, to_json, to_plain
 from fnt.faults import fault_point
 from fnt.metrics import (
     disk_metrics,
@@ -42,7 +43,16 @@ from fnt.metrics import (
 from fnt.model import model_facts
 from fnt.monitors import open_monitors
 from fnt.profiler import save_trace, start_trace
-from fnt.resume import checkpoint_dir, complete_steps, list_checkpoints, resolve_resume_step
+from fnt.resume import (
+    checkpoint_dir,
+    complete_steps,
+    list_checkpoints,
+    override_lines,
+    reconcile_config,
+    refusal,
+    resolve_resume_step,
+    run_steps,
+)
 from fnt.setup import Runtime, setup_trainer, teardown_trainer
 from fnt.sources import Source
 from fnt.state import Progress, TrainState
@@ -91,6 +101,7 @@ def save_state(state: TrainState) -> Path:
         model_name=state.config.model.name,
         rank=runtime.rank,
         distributed=runtime.distributed,
+        config=state.config,
     )
 
 
@@ -105,26 +116,59 @@ def save_and_clean_(state: TrainState) -> float:
 
 def start_state(config: Config, runtime: Runtime) -> TrainState:
     """The state a run starts from: restored from the checkpoint `config.resume` selects, or
-    fresh, in which case earlier checkpoints in the output directory are refused.
+    fresh, in which case an earlier run's checkpoints, rollouts and weights in the output
+    directory are refused.
 
-    Once the start state is loaded, rank 0 moves newer checkpoints and unfinished saves aside
-    (`abandon_newer_`): the run forks there, and its own checkpoints must not collide with,
-    be deleted in favour of, or be mixed with the old trajectory's. It then runs the keep_last
-    cleanup.
+    Before anything is built, a resume reconciles the config with the checkpoint's
+    (`reconcile_with_checkpoint`). Once the start state is loaded, rank 0 moves newer
+    checkpoints and published weights, and unfinished saves of either, aside (`abandon_newer_`):
+    the run forks there, and what it writes must not collide with, be deleted in favour of, or
+    be mixed with the old trajectory's. It then runs the keep_last cleanup.
     """
     root = ckpt_root(config)
     resume_step = resolve_resume_step(config.resume, root)
     if resume_step is None:
         refuse_stale_checkpoints(root)
+        refuse_stale_rl_files(Path(config.output_dir))
+    else:
+        reconcile_with_checkpoint(config, checkpoint_dir(root, resume_step), runtime.is_main)
     state = init_state(config, runtime)
     if resume_step is not None:
         state = restore_(state, checkpoint_dir(root, resume_step))
     if runtime.is_main:
-        for source, target in abandon_newer_(root, state.progress.step):
-            print(f"starting at step {state.progress.step}: moved {source} to {target}", flush=True)
+        from fnt.rollout.external import WEIGHTS_DIR  # not at the top: it loads the RL stack
+
+        for directory in (root, Path(config.output_dir) / WEIGHTS_DIR):
+            for source, target in abandon_newer_(directory, state.progress.step):
+                print(
+                    f"starting at step {state.progress.step}: moved {source} to {target}",
+                    flush=True,
+                )
         # Also finishes a keep_last delete that a kill interrupted.
         cleanup_checkpoints_(root, config.ckpt.keep_last)
     return state
+
+
+def reconcile_with_checkpoint(config: Config, checkpoint: Path, is_main: bool) -> None:
+    """Compare `config` with the one `checkpoint` was written with (fnt.resume.RESUME_POLICY):
+    a ConfigError listing every refused key, else (rank 0) one printed line per overridden key.
+    """
+    saved = read_saved_config(checkpoint)
+    if saved is None:
+        if is_main:
+            print(
+                f"resume: {checkpoint} records no config (an older fnt wrote it): "
+                "the current config is used as it is",
+                flush=True,
+            )
+        return
+    decisions = reconcile_config(saved, to_plain(config), force=config.resume_force)
+    message = refusal(decisions, checkpoint)
+    if message is not None:
+        raise ConfigError(message)
+    if is_main:
+        for line in override_lines(decisions):
+            print(line, flush=True)
 
 
 def refuse_stale_checkpoints(root: Path) -> None:
@@ -135,6 +179,27 @@ def refuse_stale_checkpoints(root: Path) -> None:
             f"{root} already holds checkpoints of an earlier run "
             f"(steps {', '.join(map(str, steps))}): "
             "pass --resume latest to continue it, or choose a new output_dir"
+        )
+
+
+def refuse_stale_rl_files(output_dir: Path) -> None:
+    """A fresh start must not train on an earlier run's rollouts, nor publish its weights among
+    that run's: refuse an output_dir whose rollouts/ or weights/ hold step directories."""
+    from fnt.rollout.external import ROLLOUTS_DIR, WEIGHTS_DIR  # not at the top: see above
+
+    found = {
+        name: steps
+        for name in (ROLLOUTS_DIR, WEIGHTS_DIR)
+        if (steps := run_steps(list_checkpoints(output_dir / name)))
+    }
+    if found:
+        listed = "; ".join(
+            f"{output_dir / name} (steps {', '.join(map(str, steps))})"
+            for name, steps in found.items()
+        )
+        raise ConfigError(
+            f"a fresh start, but {listed} hold files of an earlier RL run, which this run would "
+            "read as its own: remove or move them, or choose a new output_dir"
         )
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
 from fnt.metrics import finite_or_none
-from fnt.transaction import write_synced
+from fnt.transaction import fsync_dir, write_synced
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
@@ -47,13 +47,19 @@ def rows_through(lines: list[str], last_step: int) -> list[str]:
 
 
 def truncate_metrics_(path: Path, last_step: int) -> None:
-    """Drop rows beyond `last_step` (left by a crashed run) so each step keeps exactly one row."""
+    """Drop rows beyond `last_step` (left by a crashed run) so each step keeps exactly one row.
+
+    A transaction: the kept rows go to a temporary file, fsynced, renamed over the file, and the
+    directory is fsynced, so a crash or power loss leaves the old file or the trimmed one, never
+    a truncated one (rows 1..N must survive as long as step_N does).
+    """
     if not path.exists():
         return
     kept = rows_through(path.read_text().splitlines(keepends=True), last_step)
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept))
+    write_synced(tmp, "".join(kept))
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 class JsonlMonitor:

@@ -1,4 +1,5 @@
-"""Which checkpoint to resume from. Pure, apart from listing one directory.
+"""Which checkpoint to resume from, and what a resumed run may change. Pure, apart from listing
+one directory.
 
 A checkpoint directory is complete when it is named `step_N` and holds the marker file
 `COMPLETE`. The saver writes everything into a temporary sibling, writes the marker last and
@@ -6,15 +7,25 @@ only then renames the directory to `step_N` (fnt.transaction), so a crash at any
 leaves either a complete `step_N` or something these rules ignore. `abandoned/`, where a
 resumed run moves the checkpoints of the trajectory it leaves (`abandoned_names`), is one of
 those.
+
+Each checkpoint records the config it was written with. `reconcile_config` compares it with the
+current one key by key under `RESUME_POLICY`: a change that only affects how the run continues
+(the schedule, max_steps, logging, checkpointing, parallelism) is used; a change that makes the
+checkpoint belong to another run (seed, data, batch shape, model) is refused unless
+`resume_force` (`--resume.force`); the optimizer's hyperparameters are used and set on its
+parameter groups after its state is loaded, which would otherwise restore the saved ones.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Literal, Mapping, Optional, Union
 
+from fnt.config.schema import flatten
 from fnt.errors import ConfigError
 from fnt.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX
 
@@ -57,6 +68,16 @@ def abandoned_names(entries: Iterable[tuple[str, bool]], start_step: int) -> lis
     )
 
 
+def run_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
+    """Sorted steps of every `step_N` and `step_N.partial` in a listing, complete or not: what
+    a run leaves in a step-numbered directory (weights/, rollouts/). Pure."""
+    return sorted(
+        step
+        for name, _ in entries
+        if (step := step_of(name.removesuffix(PARTIAL_SUFFIX))) is not None
+    )
+
+
 def choose_resume_step(resume: Union[int, bool, str, None], steps: list[int]) -> Optional[int]:
     """The resume decision over the complete steps found. Pure.
 
@@ -94,3 +115,164 @@ def resolve_resume_step(
 ) -> Optional[int]:
     """The step to resume from given the `resume` setting and the checkpoint directory."""
     return choose_resume_step(resume, complete_steps(list_checkpoints(ckpt_dir)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconciling the checkpoint's config with the current one
+
+# What a resume does when a key differs from the value the checkpoint was written with.
+MAY_CHANGE = "may change"
+OPTIMIZER = "optimizer"
+FIXED = "fixed"
+LAUNCH = "launch"
+
+Policy = Literal["may change", "optimizer", "fixed", "launch"]
+
+POLICY_MEANINGS: dict[Policy, str] = {
+    FIXED: "refused (exit 2) unless `--resume.force`: the checkpoint belongs to a run with the "
+    "old value, and the resumed run would be neither that run nor a fresh one",
+    OPTIMIZER: "the new value is used; it is set on the optimizer after the optimizer's state is "
+    "loaded (loading restores the saved value)",
+    MAY_CHANGE: "the new value is used: the key shapes how the run goes on, not what it continues",
+    LAUNCH: "not compared: the key says how this launch starts",
+}
+
+# Every key of the schema (RLConfig, which includes Config's), decided one by one; a test fails
+# when a key is added to the schema without a line here.
+RESUME_POLICY: dict[str, Policy] = {
+    "output_dir": MAY_CHANGE,  # a run directory that was moved or copied
+    "seed": FIXED,  # data order, synthetic data and RL sampling seeds derive from it
+    "max_steps": MAY_CHANGE,
+    "batch_size": FIXED,  # the data position and the loss normalisation are per batch
+    "micro_batch_size": MAY_CHANGE,  # accumulation gives the same update
+    "seq_len": FIXED,  # the packing of every row, and so the data position
+    "resume": LAUNCH,
+    "resume_force": LAUNCH,
+    "trace_path": MAY_CHANGE,
+    "trace_steps": MAY_CHANGE,
+    "model.name": FIXED,
+    "model.dtype": FIXED,  # loading float32 weights into lower-precision parameters rounds them
+    "model.compute_dtype": MAY_CHANGE,  # checkpoints stay float32
+    "model.ac": MAY_CHANGE,
+    "model.attn_implementation": MAY_CHANGE,
+    "model.loss_chunk_tokens": MAY_CHANGE,
+    "optim.name": FIXED,  # the saved optimizer state belongs to the algorithm
+    "optim.lr": OPTIMIZER,
+    "optim.betas": OPTIMIZER,
+    "optim.eps": OPTIMIZER,
+    "optim.weight_decay": OPTIMIZER,
+    "optim.momentum": OPTIMIZER,
+    "optim.max_norm": MAY_CHANGE,
+    "optim.impl": MAY_CHANGE,  # checkpoints hold float32 weights and moments whatever the impl
+    "optim.offload": MAY_CHANGE,
+    "optim.keep_fp32": MAY_CHANGE,
+    "optim.offload_dtype": MAY_CHANGE,
+    "schedule.kind": MAY_CHANGE,
+    "schedule.warmup_steps": MAY_CHANGE,
+    "schedule.min_lr": MAY_CHANGE,
+    "data.kind": FIXED,
+    "data.sources": FIXED,  # the data position counts samples of these sources
+    "data.overlong": FIXED,  # changes which samples exist
+    "data.shuffle": FIXED,  # changes the sample order
+    "ckpt.interval": MAY_CHANGE,
+    "ckpt.keep_last": MAY_CHANGE,
+    "ckpt.save_final": MAY_CHANGE,
+    "parallel.dp_replicate": MAY_CHANGE,  # checkpoints reshard to any rank count
+    "parallel.dp_shard": MAY_CHANGE,
+    "parallel.cp": MAY_CHANGE,
+    "parallel.tp": MAY_CHANGE,
+    "parallel.ep": MAY_CHANGE,
+    "wandb.mode": MAY_CHANGE,
+    "wandb.project": MAY_CHANGE,
+    "wandb.name": MAY_CHANGE,
+    "wandb.timeout_s": MAY_CHANGE,
+    "runtime.num_threads": MAY_CHANGE,
+    "runtime.matmul_precision": MAY_CHANGE,
+    "runtime.dist_timeout_s": MAY_CHANGE,
+    "runtime.peak_tflops": MAY_CHANGE,
+    "runtime.preempt_exit_code": MAY_CHANGE,
+    "loss.eps_low": MAY_CHANGE,
+    "loss.eps_high": MAY_CHANGE,
+    "loss.kl_tau": MAY_CHANGE,
+    "rollout.engine": FIXED,  # where the batches come from
+    "rollout.prompts": FIXED,  # the data
+    "rollout.prompts_per_step": FIXED,  # the batch
+    "rollout.group_size": FIXED,  # the batch
+    "rollout.max_new_tokens": MAY_CHANGE,
+    "rollout.temperature": MAY_CHANGE,
+    "rollout.reward": MAY_CHANGE,
+    "rollout.std_normalize": MAY_CHANGE,
+    "rollout.timeout_s": MAY_CHANGE,
+    "rollout.keep_weights": MAY_CHANGE,
+}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a resume does with one config key.
+
+    `action` is "keep" (nothing to reconcile: the value is the same, the checkpoint does not
+    record the key, or the key only describes this launch), "override" (the new value is used)
+    or "refuse". `forced` marks an override of a fixed key that resume_force allowed.
+    """
+
+    action: Literal["keep", "override", "refuse"]
+    old: Any
+    new: Any
+    forced: bool = False
+
+
+_ABSENT = object()
+
+
+def reconcile_config(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, force: bool = False
+) -> dict[str, Decision]:
+    """Per key of `current`, what resuming a checkpoint written with `saved` does. Pure.
+
+    Both are plain nested dicts (`to_plain(config)`, or the checkpoint's config.json). A key
+    the checkpoint does not record (it was written before the key existed) is kept. Every key
+    of `current` must have a policy in RESUME_POLICY (KeyError otherwise).
+    """
+    old_values, new_values = flatten(dict(saved)), flatten(dict(current))
+    decisions = {}
+    for key, new in new_values.items():
+        policy = RESUME_POLICY[key]
+        old = old_values.get(key, _ABSENT)
+        if old is _ABSENT or policy == LAUNCH or old == new:
+            decisions[key] = Decision("keep", None if old is _ABSENT else old, new)
+        elif policy == FIXED and not force:
+            decisions[key] = Decision("refuse", old, new)
+        else:
+            decisions[key] = Decision("override", old, new, forced=policy == FIXED)
+    return decisions
+
+
+def _value(value: Any) -> str:
+    return json.dumps(value)
+
+
+def refusal(decisions: Mapping[str, Decision], checkpoint: Union[str, Path]) -> Optional[str]:
+    """The one-line error for the refused keys (`key: old -> new` each), or None. Pure."""
+    refused = [
+        f"{k}: {_value(d.old)} -> {_value(d.new)}"
+        for k, d in decisions.items()
+        if d.action == "refuse"
+    ]
+    if not refused:
+        return None
+    return (
+        f"resume from {checkpoint}: these keys differ from the config it was written with, and "
+        f"the checkpoint belongs to a run with the old values: {'; '.join(refused)}. "
+        "Set them back, or pass --resume.force to continue with the new values"
+    )
+
+
+def override_lines(decisions: Mapping[str, Decision]) -> list[str]:
+    """One console line per overridden key, saying the new value is used. Pure."""
+    return [
+        f"resume: {k}: {_value(d.old)} -> {_value(d.new)}"
+        + (" (a fixed key, forced by --resume.force)" if d.forced else "")
+        for k, d in decisions.items()
+        if d.action == "override"
+    ]

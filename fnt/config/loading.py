@@ -224,6 +224,11 @@ def _set_nested(target: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Command-line spellings of keys whose TOML name cannot have them: `resume` is a value, so it
+# cannot also be the section of `resume.force`.
+_ALIASES = {"resume.force": "resume_force"}
+
+
 @dataclass(frozen=True)
 class CliArgs:
     """The command line, split into its parts."""
@@ -249,7 +254,7 @@ def split_cli(argv: list[str], cls: type = Config) -> CliArgs:
             )
         body = arg[2:]
         key, has_value, value = body.partition("=")
-        key = _normalize_key(key)
+        key = _ALIASES.get(_normalize_key(key), _normalize_key(key))
         if key in ("print_config", "help_config", "help"):
             if key == "print_config":
                 print_config = True

@@ -191,6 +191,8 @@ class Config:
     """Tokens per row (documents are packed into rows)."""
     resume: int | bool | Literal["latest"] | None = None
     """None: start fresh; "latest": newest complete checkpoint if any; N: checkpoint step_N."""
+    resume_force: bool = False
+    """--resume.force: resume even if seed, data, batch size, seq_len or model changed."""
     trace_path: str | None = None
     """Write a torch profiler trace per rank to trace_path/trace_{rank}.json.gz."""
     trace_steps: int = 0

@@ -6,6 +6,11 @@ ninja into a cache directory (``$FNT_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fnt/
 to ``PATH`` when ninja is installed there but not on ``PATH`` (a virtualenv used without
 activating it), because torch's builder runs ninja from ``PATH``.
 
+Builds of one cache directory are serialised by an ``fcntl.flock`` on ``fnt-build.lock`` in it
+(`build_lock`), taken with a timeout; holding it, a build removes the lock file that torch's
+builder leaves behind when it is killed mid-build (with a warning), which would otherwise make
+every later build wait for it forever.
+
 The build is specialised to this CPU (``-march=native``), so the cache key includes the CPU's
 feature flags next to the source, compiler, torch and Python versions: a cache directory shared
 across machines holds one build per kind of CPU and never loads code a CPU cannot run.
@@ -13,19 +18,32 @@ across machines holds one build per kind of CPU and never loads code a CPU canno
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import shlex
 import shutil
+import socket
 import sys
+import time
+import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
 SOURCE = Path(__file__).resolve().with_name("adamw.cpp")
+BUILD_LOCK = "fnt-build.lock"
+# The file torch.utils.cpp_extension creates in the build directory while it builds (a FileBaton)
+# and removes afterwards; its waiters poll until it is gone.
+TORCH_LOCK = "lock"
+# A first build takes a minute or two; a wait far beyond that is a hung or stuck builder.
+BUILD_LOCK_TIMEOUT_S = 900.0
+_POLL_S = 0.1
 
 
 class NativeBuildError(RuntimeError):
@@ -120,6 +138,50 @@ def cache_key(compiler: str, cflags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold `build_dir` for this process's build, waiting at most `timeout_s` for another one.
+
+    The lock is an ``fcntl.flock``, so it dies with its process however that process dies: its
+    holder is the only builder alive, and torch's lock file found then was left by a killed
+    build. It is removed with a warning. Raises NativeBuildError, naming the holder (host and
+    pid, written into the lock file), when the wait times out.
+    """
+    path = build_dir / BUILD_LOCK
+    # Not truncated on open: while another process holds the lock its text must stay readable.
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "another process"
+                    raise NativeBuildError(
+                        f"waited {timeout_s:.0f} s for {holder} to finish building the native "
+                        f"AdamW kernel in {build_dir} (lock {path}): stop that process, or use "
+                        "optim.impl = 'reference'"
+                    ) from None
+                time.sleep(_POLL_S)
+        handle.truncate(0)
+        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        handle.flush()
+        stale = build_dir / TORCH_LOCK
+        if stale.exists():
+            warnings.warn(
+                f"removing {stale}: a native build that was killed left it, and no build is "
+                "running now",
+                stacklevel=3,
+            )
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        handle.close()
+
+
 @functools.cache
 def load() -> ModuleType:
     """The compiled extension, building it into the cache on first use (see module doc)."""
@@ -131,17 +193,18 @@ def load() -> ModuleType:
     key = cache_key(compiler, cflags)
     build_dir = cache_root() / f"adamw-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name=f"fnt_adamw_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except (RuntimeError, OSError) as e:
-        raise NativeBuildError(
-            f"building the native AdamW kernel in {build_dir} failed: {e}. "
-            "CPUAdamW(impl='reference') needs no compiler."
-        ) from e
+    with build_lock(build_dir):
+        try:
+            return cpp_extension.load(
+                name=f"fnt_adamw_{key}",
+                sources=[str(SOURCE)],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except (RuntimeError, OSError) as e:
+            raise NativeBuildError(
+                f"building the native AdamW kernel in {build_dir} failed: {e}. "
+                "CPUAdamW(impl='reference') needs no compiler."
+            ) from e

@@ -2,7 +2,8 @@
 
 `offload_plan` is pure. Side effects: `setup_optimizer` creates optimizer state for the model (and
 builds the native kernel for ``optim.impl = "native"``); `apply_compute_dtype_` casts parameters
-and hooks the model's and optimizer's state dicts; `set_lr_` sets the learning rate.
+and hooks the model's and optimizer's state dicts; `set_lr_` sets the learning rate and
+`set_hyperparameters_` all of the config's hyperparameters.
 
 This module is the one place that reads the implementation and offload settings; the model loader
 and the state builder act on the `OffloadPlan` it returns.
@@ -278,3 +279,21 @@ def set_lr_(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def set_hyperparameters_(optimizer: torch.optim.Optimizer, optim_config: OptimConfig) -> None:
+    """Set the config's hyperparameters on every parameter group, as `setup_optimizer` does.
+
+    Loading an optimizer's state dict restores the hyperparameters it was saved with; a resumed
+    run calls this afterwards so that the current config's values are the ones used.
+    """
+    if optim_config.name == "sgd":
+        hyper = dict(momentum=optim_config.momentum, weight_decay=optim_config.weight_decay)
+    else:
+        hyper = dict(
+            betas=tuple(optim_config.betas),
+            eps=optim_config.eps,
+            weight_decay=optim_config.weight_decay,
+        )
+    for group in optimizer.param_groups:
+        group.update(lr=optim_config.lr, **hyper)

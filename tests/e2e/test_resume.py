@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from fnt import Config, ConfigError, ModelConfig, fold, init_state, run, sft_source
+from fnt.config import OptimConfig, load_config
+from fnt.loop import save_state, start_state
 from fnt.monitors import read_metrics
-from fnt.resume import ABANDONED_DIR, resolve_resume_step
+from fnt.resume import ABANDONED_DIR, COMPLETE_MARKER, resolve_resume_step
+from fnt.setup import setup_trainer
+from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
@@ -123,3 +132,124 @@ def test_a_save_is_timed_in_the_next_row(uninterrupted):
     """Row N is written before step N's save, so that save's time goes into row N + 1."""
     saves = {r["step"]: r["time/save_ckpt"] for r in read_metrics(uninterrupted)}
     assert [step for step, seconds in saves.items() if seconds > 0] == [3, 5]
+
+
+# Reconciling the config with the checkpoint's; files of an earlier run --------------------
+
+
+def saved_optimizer_groups(ckpt_dir, tmp_path):
+    """The hyperparameters of the optimizer's param groups as a checkpoint holds them."""
+    target = tmp_path / f"optim_{ckpt_dir.name}.pt"
+    dcp_to_torch_save(ckpt_dir, target)
+    groups = torch.load(target, weights_only=False)["optim"]["param_groups"]
+    return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
+def test_a_resume_refuses_a_changed_seed_and_uses_a_changed_weight_decay(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    first, _ = load_config(list(args(tiny_model_dir, out, "--max-steps", "1")))
+    run(first, sft_step, sft_source)  # in process: the same run as the script's, cheaper
+    ckpt = out / "checkpoints"
+    assert json.loads((ckpt / "step_1" / "config.json").read_text())["seed"] == 0
+
+    changed = (
+        "--max-steps",
+        "2",
+        "--resume",
+        "latest",
+        "--seed",
+        "1",
+        "--optim.weight-decay",
+        "0.5",
+    )
+    refused = run_script("sft.py", *args(tiny_model_dir, out, *changed), check=False)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    error = refused.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: resume from ") and "seed: 0 -> 1" in error
+    assert "weight_decay" not in error and "--resume.force" in error
+    assert [r["step"] for r in read_metrics(out)] == [1]  # nothing ran
+
+    forced = run_script("sft.py", *args(tiny_model_dir, out, *changed, "--resume.force"))
+    assert "resume: seed: 0 -> 1 (a fixed key, forced by --resume.force)" in forced.stdout
+    assert "resume: optim.weight_decay: 0.0 -> 0.5" in forced.stdout
+    assert "resume: max_steps: 1 -> 2" in forced.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    # Step 2 ran with the new weight decay, not the one loading step_1's optimizer restored.
+    assert [g["weight_decay"] for g in saved_optimizer_groups(ckpt / "step_1", tmp_path)] == [0.0]
+    assert [g["weight_decay"] for g in saved_optimizer_groups(ckpt / "step_2", tmp_path)] == [0.5]
+    recorded = json.loads((ckpt / "step_2" / "config.json").read_text())
+    assert (recorded["seed"], recorded["optim"]["weight_decay"]) == (1, 0.5)
+
+
+def in_process_config(model_dir, out, **overrides) -> Config:
+    return Config(
+        model=ModelConfig(name=str(model_dir)),
+        output_dir=str(out),
+        seq_len=32,
+        batch_size=4,
+        micro_batch_size=2,
+        **overrides,
+    )
+
+
+def saved_run(model_dir, out, steps: int, **overrides) -> Config:
+    """An output_dir holding checkpoints step_1..step_{steps} of an in-process run."""
+    config = in_process_config(model_dir, out, **overrides)
+    state = init_state(config, setup_trainer(config))
+    for state, _ in fold(state, sft_source, sft_step, steps):
+        save_state(state)
+    return config
+
+
+def test_restored_optimizer_takes_the_current_hyperparameters(tiny_model_dir, tmp_path):
+    saved_run(tiny_model_dir, tmp_path, 1)
+    optim = OptimConfig(lr=2e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.25)
+    config = in_process_config(tiny_model_dir, tmp_path, resume=1, optim=optim)
+    state = start_state(config, setup_trainer(config))
+    (group,) = state.handles.optimizer.param_groups
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        2e-3,
+        (0.8, 0.95),
+        1e-6,
+        0.25,
+    )
+
+
+def make_step_dirs(root, steps, marker=True):
+    for step in steps:
+        (root / f"step_{step}").mkdir(parents=True)
+        if marker:
+            (root / f"step_{step}" / COMPLETE_MARKER).write_text("")
+
+
+def test_a_fork_moves_newer_published_weights_aside(tiny_model_dir, tmp_path, capsys):
+    """Stale weights/step_3.. would count as the newest for keep_weights (deleting what the
+    resumed run publishes) and an orchestrator could load them."""
+    saved_run(tiny_model_dir, tmp_path, 2)
+    weights = tmp_path / "weights"
+    make_step_dirs(weights, [0, 1, 2, 3, 4])
+    (weights / "step_5.partial").mkdir()
+    config = in_process_config(tiny_model_dir, tmp_path, resume=2)
+    assert start_state(config, setup_trainer(config)).progress.step == 2
+    assert sorted(p.name for p in weights.iterdir()) == [
+        ABANDONED_DIR,
+        "step_0",
+        "step_1",
+        "step_2",
+    ]
+    (fork,) = (weights / ABANDONED_DIR).iterdir()
+    assert sorted(p.name for p in fork.iterdir()) == ["step_3", "step_4", "step_5.partial"]
+    assert capsys.readouterr().out.count("weights/step_") == 3
+
+
+@pytest.mark.parametrize("stale", ["rollouts/step_1", "weights/step_0", "rollouts/step_2.partial"])
+def test_a_fresh_start_refuses_an_earlier_rl_runs_files(tiny_model_dir, tmp_path, stale):
+    (tmp_path / stale).mkdir(parents=True)
+    config = in_process_config(tiny_model_dir, tmp_path)
+    with pytest.raises(
+        ConfigError, match=re.escape(f"fresh start, but {tmp_path / stale.split('/')[0]}")
+    ):
+        start_state(config, setup_trainer(config))
+    shutil.rmtree(tmp_path / stale.split("/")[0])
+    assert start_state(config, setup_trainer(config)).progress.step == 0

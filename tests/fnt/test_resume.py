@@ -1,7 +1,10 @@
-"""Resume rules over random checkpoint directories, built for real on disk."""
+"""Resume rules over random checkpoint directories, built for real on disk, and the
+reconciliation of a checkpoint's config with the current one."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import tempfile
@@ -11,16 +14,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
+from fnt.monitors import truncate_metrics_
 from fnt.resume import (
     ABANDONED_DIR,
     COMPLETE_MARKER,
+    FIXED,
+    LAUNCH,
+    POLICY_MEANINGS,
+    RESUME_POLICY,
     ResumeError,
     abandoned_names,
     checkpoint_dir,
     choose_resume_step,
     complete_steps,
     list_checkpoints,
+    override_lines,
+    reconcile_config,
+    refusal,
     resolve_resume_step,
+    run_steps,
     step_of,
 )
 
@@ -271,3 +284,168 @@ def test_step_of_rejects_names_the_saver_never_writes(name):
     """`checkpoint_dir(root, step_of(name))` must be `root / name`, or the rules pick a ghost."""
     step = step_of(name)
     assert step is None or f"step_{step}" == name
+
+
+# Reconciling the checkpoint's config with the current one ---------------------------------
+
+
+def test_every_schema_key_has_a_resume_policy():
+    """A key added to the schema without a decision here must fail, not default silently."""
+    schema = set(all_keys(RLConfig))
+    assert schema - set(RESUME_POLICY) == set(), "add these keys to fnt.resume.RESUME_POLICY"
+    assert set(RESUME_POLICY) - schema == set(), "these keys are no longer in the schema"
+    assert set(RESUME_POLICY.values()) <= set(POLICY_MEANINGS)
+
+
+def nested(flat: dict) -> dict:
+    """`{"a.b": 1}` -> `{"a": {"b": 1}}`, the shape of a config's plain dict."""
+    out: dict = {}
+    for key, value in flat.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return out
+
+
+VALUES = st.one_of(st.integers(-3, 3), st.sampled_from(["a", "b", None, True]), st.just([1, 2]))
+
+
+@st.composite
+def config_pairs(draw):
+    """A saved and a current config over the schema's keys: some equal, some changed, some keys
+    unknown to the checkpoint (it was written before they existed)."""
+    current, saved = {}, {}
+    for key in RESUME_POLICY:
+        current[key] = draw(VALUES)
+        kind = draw(st.sampled_from(["same", "same", "changed", "absent"]))
+        if kind == "same":
+            saved[key] = current[key]
+        elif kind == "changed":
+            saved[key] = draw(VALUES.filter(lambda v, new=current[key]: v != new))
+    return saved, current
+
+
+@settings(max_examples=30, deadline=None)
+@given(config_pairs(), st.booleans())
+def test_reconcile_config_follows_the_policy_of_each_key(pair, force):
+    saved, current = pair
+    decisions = reconcile_config(nested(saved), nested(current), force=force)
+    assert set(decisions) == set(current)
+    for key, decision in decisions.items():
+        policy = RESUME_POLICY[key]
+        assert decision.new == current[key]
+        changed = key in saved and saved[key] != current[key] and policy != LAUNCH
+        if not changed:
+            assert decision.action == "keep", key
+        elif policy == FIXED and not force:
+            assert decision.action == "refuse", key
+        else:
+            assert decision.action == "override", key
+            assert decision.forced == (policy == FIXED)
+        if changed:
+            assert decision.old == saved[key]
+    refused = [k for k, d in decisions.items() if d.action == "refuse"]
+    message = refusal(decisions, "ckpt/step_3")
+    if refused:
+        assert "\n" not in message and "--resume.force" in message
+        for key in refused:
+            assert f"{key}: {json.dumps(saved[key])} -> {json.dumps(current[key])}" in message
+    else:
+        assert message is None
+    overridden = [k for k, d in decisions.items() if d.action == "override"]
+    lines = override_lines(decisions)
+    assert len(lines) == len(overridden)
+    assert all(line.startswith(f"resume: {key}: ") for line, key in zip(lines, overridden))
+    # Resuming with the checkpoint's own config has nothing to reconcile.
+    same = reconcile_config(nested(current), nested(current), force=force)
+    assert {d.action for d in same.values()} == {"keep"}
+
+
+def test_reconcile_real_configs():
+    saved = RLConfig()
+    current = dataclasses.replace(
+        saved,
+        seed=1,
+        max_steps=50,
+        resume="latest",
+        optim=dataclasses.replace(saved.optim, weight_decay=0.1, betas=(0.8, 0.99)),
+        data=dataclasses.replace(
+            saved.data, kind="jsonl", sources=(DataSourceConfig(path="a.jsonl"),)
+        ),
+    )
+    decisions = reconcile_config(to_plain(saved), to_plain(current))
+    actions = {k: d.action for k, d in decisions.items() if d.action != "keep"}
+    assert actions == {
+        "seed": "refuse",
+        "data.kind": "refuse",
+        "data.sources": "refuse",
+        "max_steps": "override",
+        "optim.weight_decay": "override",
+        "optim.betas": "override",
+    }
+    message = refusal(decisions, "run/checkpoints/step_2")
+    assert message.startswith("resume from run/checkpoints/step_2: ")
+    assert 'seed: 0 -> 1; data.kind: "synthetic" -> "jsonl"; data.sources: [] -> [{' in message
+    assert override_lines(decisions) == [
+        "resume: max_steps: 10 -> 50",
+        "resume: optim.betas: [0.9, 0.999] -> [0.8, 0.99]",
+        "resume: optim.weight_decay: 0.0 -> 0.1",
+    ]
+    forced = reconcile_config(to_plain(saved), to_plain(current), force=True)
+    assert refusal(forced, "x") is None
+    assert "resume: seed: 0 -> 1 (a fixed key, forced by --resume.force)" in override_lines(forced)
+
+
+@pytest.mark.parametrize(
+    ("argv", "force"),
+    [
+        (["--resume", "latest", "--resume.force"], True),
+        (["--resume.force", "--resume", "2"], True),
+        (["--resume.force=false"], False),
+        (["--resume-force", "true"], True),
+        ([], False),
+    ],
+)
+def test_resume_force_on_the_command_line(argv, force):
+    config, _ = load_config(argv)
+    assert config.resume_force is force
+
+
+def test_run_steps_counts_every_step_directory():
+    entries = [
+        ("step_0", True),
+        ("step_3", False),
+        ("step_4.partial", False),
+        ("step_x", True),
+        (ABANDONED_DIR, False),
+        ("samples.jsonl", False),
+    ]
+    assert run_steps(entries) == [0, 3, 4]
+
+
+def test_the_metrics_trim_is_written_fsynced_and_renamed_then_the_directory_fsynced(
+    tmp_path, monkeypatch
+):
+    """A crash or power loss during the trim on resume must leave the old rows or the trimmed
+    ones, durable: the kept rows are fsynced before the rename, the directory after it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"st')
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(source, target):
+        events.append(("replace", str(source), str(target)))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    truncate_metrics_(path, 3)
+    tmp = str(tmp_path / "metrics.jsonl.tmp")
+    assert events == [("fsync", tmp), ("replace", tmp, str(path)), ("fsync", str(tmp_path))]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
