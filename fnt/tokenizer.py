@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from jinja2 import TemplateError
 
+from fnt.errors import ConfigError
+
 if TYPE_CHECKING:
     from fnt.data.chat import ChatMasking
 
@@ -108,7 +110,10 @@ def chat_template_text(value: str) -> str | None:
     try:
         return path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"data.chat_template: cannot read template file {path}: {e}") from e
+        raise ConfigError(
+            f"'data.chat_template' = {value!r}: not a template (it has no {{{{ or {{%) and not a "
+            f"readable file: {e}"
+        ) from e
 
 
 class MaskingConfig(Protocol):

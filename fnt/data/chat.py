@@ -49,10 +49,12 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from jinja2 import TemplateError
 
+from fnt.config.schema import CHAT_ROLES
+
 Message = Mapping[str, Any]
 Sample = tuple[list[int], list[bool]]
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = CHAT_ROLES
 """Roles a loss mask can name."""
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
