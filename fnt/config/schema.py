@@ -82,6 +82,10 @@ class ScheduleConfig:
     """Learning rate reached at the last step by linear and cosine decay."""
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The message roles data.loss_mask can name."""
+
+
 @dataclass_json
 @dataclass(frozen=True)
 class DataSourceConfig:
@@ -108,6 +112,14 @@ class DataConfig:
     """What to do with a sample longer than seq_len."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (a pure function of seed and epoch)."""
+    loss_mask: tuple[str, ...] = ("assistant",)
+    """Roles whose messages are trained: any of system, user, assistant, tool."""
+    train_turns: Literal["all", "last"] = "all"
+    """Train every assistant turn of a chat, or only its final one."""
+    train_reasoning: bool = True
+    """Train an assistant turn's reasoning (reasoning_content or a leading <think> block)."""
+    chat_template: str = ""
+    """Chat template replacing the model's: a file path or the template text (empty: keep it)."""
 
 
 @dataclass_json

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fnt.config.schema import Config, RLConfig, RolloutConfig, source_name
+from fnt.config.schema import CHAT_ROLES, Config, RLConfig, RolloutConfig, source_name
 from fnt.errors import ConfigError
 from fnt.parallel import plan_parallel_dims
 
@@ -73,6 +73,11 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         names = [source_name(s) for s in config.data.sources]
         require(
             len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}"
+        )
+        require(
+            set(config.data.loss_mask) <= set(CHAT_ROLES),
+            "data.loss_mask",
+            f"roles must be among {CHAT_ROLES}",
         )
     # ep does not change the data-parallel size; setup checks it against the model.
     dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp

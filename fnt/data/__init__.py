@@ -9,7 +9,7 @@ epoch is with weighted sources.
 """
 
 from fnt.config import source_name
-from fnt.data.chat import conversation_from_record, tokenize_conversation
+from fnt.data.chat import ChatMasking, conversation_from_record, tokenize_conversation
 from fnt.data.corpus import Corpus, SampleFate, fit_to_length
 from fnt.data.load import load_corpus
 from fnt.data.order import SampleOrder, epoch_order, source_quotas
@@ -19,6 +19,7 @@ from fnt.data.synthetic import synthetic_batch, synthetic_rows
 from fnt.errors import DataError
 
 __all__ = [
+    "ChatMasking",
     "Corpus",
     "JsonlData",
     "DataError",

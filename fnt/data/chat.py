@@ -1,34 +1,90 @@
 """Turn one JSONL record into token ids and a loss mask via the chat template. Pure.
 
 Record formats:
-- `{"messages": [{"role": ..., "content": ...}, ...]}`: a chat, rendered with the tokenizer's chat
-  template. Extra keys in a message (e.g. `name`) are passed to the template unchanged.
+- `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`: a chat, rendered with the
+  chat template (`tools`, optional, is passed to the template). Extra keys in a message (e.g.
+  `name`, `tool_calls`, `reasoning_content`) are passed to the template unchanged.
 - `{"prompt": ..., "completion": ...}`: rendered as the chat
   `[user: prompt, assistant: completion]`, so both formats go through the same template and look
   alike to the model.
 Other top-level keys (e.g. `id`) are ignored.
 
-Which tokens are targets: the assistant turns, from the first token after the assistant header
-(what `add_generation_prompt=True` renders) through the tokenizer's eos token that closes the turn
-(`<|im_end|>` in ChatML), so the model learns to stop. Tokens the template puts after that eos (the
-newline in ChatML) are not targets: generation stops at eos, so the model never produces them. A
-template whose assistant turn contains no eos token gets its whole assistant text as target.
+Which tokens are targets (`ChatMasking`): the messages of the trained roles (default: assistant
+only). An assistant turn is trained from its content through the first stop token after it
+(fnt.tokenizer.stop_token_ids: eos, generation_config's eos list, the template's end-of-turn
+token), so the model learns to stop; what the template puts after that token (ChatML's newline)
+is not, since generation stops there. Its reasoning (`reasoning_content`, or `<think>...</think>`
+at the start of the content) and the scaffold around it (`<think>\\n`) are trained too when
+`reasoning` is on and the turn has reasoning; otherwise they are context. So Qwen3's empty
+`<think>\\n\\n</think>\\n\\n` is never a target: it is what the model is given with thinking off.
+A message of another trained role has just its content as target.
 
-How the mask is found, for any template: the conversation is rendered at each assistant
-boundary (`messages[:i]` with the generation prompt, then `messages[:i+1]`) and each rendering must
-extend the previous one. Templates that rewrite earlier turns (e.g. dropping earlier reasoning)
-fail that check with an error rather than a silently wrong mask. The text between boundaries is
-tokenized piece by piece, the way inference sees it: the prompt is tokenized as its own string and
-the answer's tokens follow it.
+How the targets are found, for any template:
+- Templates with `{% generation %}` blocks mark the assistant tokens themselves; the tokenizer's
+  assistant-token mask is used as is.
+- Otherwise each trained assistant turn k is rendered the way the model meets it at inference:
+  `messages[:k]` with the generation prompt, then `messages[:k+1]`, which must extend it. Where
+  the turn's content lies is found by rendering again with the content replaced by a marker
+  character: the text where the two renderings differ is the content as the template rendered
+  it (trimmed or not), and it must be the content. The other roles' contents are found the same
+  way.
+- When every turn's rendering, through its last target, is a prefix of the whole conversation's
+  (the template renders history the same whatever follows), the record is one sample: the whole
+  conversation.
+  Templates that rewrite history (Qwen3 drops the reasoning of earlier turns, Mistral moves the
+  system prompt into the last user turn) give one sample per trained turn instead, each the
+  conversation up to that turn as the model saw it then; training turn k inside the rewritten
+  whole would teach it to answer a history it never sees.
+A chat these methods cannot mask exactly raises ValueError with the reason.
+
+Text is tokenized piece by piece at the target boundaries, the way inference sees it: the prompt
+is tokenized as its own string and the answer's tokens follow it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from jinja2 import TemplateError
 
+from fnt.config.schema import CHAT_ROLES
+
 Message = Mapping[str, Any]
+Sample = tuple[list[int], list[bool]]
+
+ROLES = CHAT_ROLES
+"""Roles a loss mask can name."""
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# Characters that mark a message's content in the second rendering; one that the content does
+# not contain is used, so the two renderings differ exactly where the content is.
+_MARKERS = "\x01\x02\x03\x04\x05\x06\x07\x0e\x0f"
+
+
+@dataclass(frozen=True)
+class ChatMasking:
+    """Which tokens of a rendered chat are training targets, and the template that renders it."""
+
+    roles: frozenset[str] = frozenset({"assistant"})
+    """Roles whose messages are targets."""
+    turns: Literal["all", "last"] = "all"
+    """Train every assistant turn, or only the final one."""
+    reasoning: bool = True
+    """Train an assistant turn's reasoning where the template renders it."""
+    stop_ids: frozenset[int] = frozenset()
+    """Token ids that end an assistant turn's targets (fnt.tokenizer.stop_token_ids)."""
+    chat_template: str | None = None
+    """Template text overriding the tokenizer's own; None uses the tokenizer's."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"loss mask roles must be among {ROLES}, got {unknown}")
+        if self.turns not in ("all", "last"):
+            raise ValueError(f"turns must be 'all' or 'last', got {self.turns!r}")
 
 
 def conversation_from_record(record: object) -> list[Message]:
@@ -56,6 +112,14 @@ def conversation_from_record(record: object) -> list[Message]:
     )
 
 
+def tools_from_record(record: Mapping[str, Any]) -> list | None:
+    """The record's `tools` (function specs passed to the template), or None."""
+    tools = record.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' must be a list, got {type(tools).__name__}")
+    return tools or None
+
+
 def check_message_list(messages: object) -> None:
     """ValueError unless `messages` is a non-empty list of {"role": str, "content": str}."""
     if not isinstance(messages, list) or not messages:
@@ -77,54 +141,262 @@ def _checked_messages(messages: object) -> list[Message]:
     return messages
 
 
-def tokenize_conversation(messages: Sequence[Message], tokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per token, whether it is a training target."""
-    pieces: list[tuple[str, bool]] = []  # (text, is an assistant answer)
-    rendered = ""  # the text already split into pieces
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        _check_extends(rendered, prompt, f"messages[:{i}] with the generation prompt")
-        answered = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        _check_extends(prompt, answered, f"messages[:{i + 1}]")
-        pieces += [(prompt[len(rendered) :], False), (answered[len(prompt) :], True)]
-        rendered = answered
-    if messages[-1]["role"] != "assistant":
-        whole = _render(tokenizer, messages, add_generation_prompt=False)
-        _check_extends(rendered, whole, "the whole conversation")
-        pieces.append((whole[len(rendered) :], False))
+def has_generation_blocks(template: str) -> bool:
+    """Whether the template marks assistant text with `{% generation %}` blocks."""
+    return bool(GENERATION_BLOCK.search(template))
 
-    encoded = tokenizer([text for text, _ in pieces], add_special_tokens=False)["input_ids"]
+
+def tokenize_conversation(
+    messages: Sequence[Message], tokenizer, masking: ChatMasking, *, tools: list | None = None
+) -> list[Sample]:
+    """The samples of one chat: token ids and, per token, whether it is a training target.
+
+    One sample, unless the template rewrites history and several turns are trained (see the
+    module docstring)."""
+    template = masking.chat_template or tokenizer.chat_template
+    if not template:
+        raise ValueError("the tokenizer has no chat template, and data.chat_template is empty")
+
+    def render(msgs: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                list(msgs),
+                tools=tools,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template failed: {e}") from e
+
+    if has_generation_blocks(template):
+        return [_generation_sample(messages, tokenizer, masking, template, tools)]
+
+    assistant_turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    trained_turns = assistant_turns if "assistant" in masking.roles else []
+    if masking.turns == "last":
+        trained_turns = trained_turns[-1:]
+    other_trained = [
+        i for i, m in enumerate(messages) if m["role"] != "assistant" and m["role"] in masking.roles
+    ]
+    stop_texts = [tokenizer.convert_ids_to_tokens(i) for i in sorted(masking.stop_ids)]
+    whole = render(messages)
+    turns = [_assistant_turn(messages, k, render, masking, stop_texts) for k in trained_turns]
+    # One sample when the whole conversation shows the model, up to each turn's last target,
+    # exactly what it saw at that turn (what a template adds after a turn's stop token, such as
+    # Phi-3's trailing eos, does not count).
+    if all(whole.startswith(text[:end]) for text, (_, end) in turns):
+        spans = [span for _, span in turns]
+        spans += [_content_span(messages, j, render) for j in other_trained]
+        return [_encode(whole, spans, tokenizer)]
+
+    samples = []
+    done = -1  # messages up to here have been placed in a sample
+    for k, (text, span) in zip(trained_turns, turns):
+        # The sample starts with turn k's generation prompt, the rendering of messages[:k].
+        spans = [span] + [
+            _content_span(messages[:k], j, render, add_generation_prompt=True)
+            for j in other_trained
+            if done < j < k
+        ]
+        samples.append(_encode(text, spans, tokenizer))
+        done = k
+    rest = [j for j in other_trained if j > done]
+    if rest:
+        spans = [_content_span(messages, j, render) for j in rest]
+        samples.append(_encode(whole, spans, tokenizer))
+    return samples
+
+
+def _assistant_turn(
+    messages: Sequence[Message],
+    k: int,
+    render: Callable[..., str],
+    masking: ChatMasking,
+    stop_texts: Sequence[str],
+) -> tuple[str, tuple[int, int]]:
+    """Assistant turn k as the model meets it, its generation prompt and then the turn, and the
+    character span of its targets in that text."""
+    prompt = render(messages[:k], add_generation_prompt=True)
+    text = render(messages[: k + 1])
+    located = _locate_content(messages[: k + 1], k, render)
+    if not text.startswith(prompt):
+        # The template renders the history differently once the turn is there (Mistral drops
+        # the system prompt from an answered user turn): splice the turn onto the prompt.
+        cut = _turn_start(text, prompt, messages, k, render)
+        if located is not None and located[0] < cut:
+            raise ValueError(f"messages[{k}]: its content was found before the turn starts")
+        shift = len(prompt) - cut
+        text = prompt + text[cut:]
+        located = located and (located[0] + shift, located[1] + shift)
+    answer = _split_reasoning(messages[k])[1]
+    if located is None:
+        if answer.strip():
+            raise ValueError(f"messages[{k}]: the chat template does not render its content")
+        located = (len(prompt), len(prompt))  # e.g. a tool-call turn whose content is empty
+    answer_start, answer_end = located
+    if answer_start < len(prompt):
+        raise ValueError(f"messages[{k}]: its content was found inside the generation prompt")
+    reasoning = _reasoning_of(messages[k]).strip()
+    start = answer_start
+    if masking.reasoning and reasoning:
+        if reasoning not in text[len(prompt) : answer_start]:
+            raise ValueError(
+                f"messages[{k}]: the chat template does not render this turn's reasoning, so it "
+                "cannot be trained; set data.train_reasoning = false or use a template that "
+                "renders it"
+            )
+        start = len(prompt)
+    stops = [at + len(s) for s in stop_texts if (at := text.find(s, answer_end)) >= 0]
+    return text, (start, min(stops, default=len(text)))
+
+
+def _turn_start(
+    text: str, prompt: str, messages: Sequence[Message], k: int, render: Callable[..., str]
+) -> int:
+    """Where assistant turn k's own text starts in `text` (the rendering of messages[:k+1])
+    when `text` does not start with `prompt`: after the previous message's content and the
+    text that follows that content in the prompt (its closing and the generation prompt)."""
+    failure = ValueError(
+        f"messages[{k}]: the rendered conversation does not continue its generation prompt "
+        f"(the prompt ends {prompt[-40:]!r}), and the turn cannot be placed after it, so the "
+        "turn the model would be trained on is not the one it meets at inference; set "
+        "data.chat_template to a template that renders the history as the prompt does"
+    )
+    in_text = _locate_content(messages[: k + 1], k - 1, render)
+    in_prompt = _locate_content(messages[:k], k - 1, render, add_generation_prompt=True)
+    if in_text is None or in_prompt is None or not messages[k - 1]["content"].strip():
+        raise failure
+    tail = prompt[in_prompt[1] :]
+    if not text[in_text[1] :].startswith(tail):
+        raise failure
+    return in_text[1] + len(tail)
+
+
+def _content_span(
+    messages: Sequence[Message],
+    j: int,
+    render: Callable[..., str],
+    *,
+    add_generation_prompt: bool = False,
+) -> tuple[int, int]:
+    located = _locate_content(messages, j, render, add_generation_prompt=add_generation_prompt)
+    if located is None:
+        if messages[j]["content"].strip():
+            raise ValueError(f"messages[{j}]: the chat template does not render its content")
+        return (0, 0)
+    return located
+
+
+def _locate_content(
+    messages: Sequence[Message],
+    j: int,
+    render: Callable[..., str],
+    *,
+    add_generation_prompt: bool = False,
+) -> tuple[int, int] | None:
+    """Character span of messages[j]'s content (its answer, for an assistant) in the rendering
+    of `messages`; None when the template does not render it."""
+    head, answer = _split_reasoning(messages[j])
+    marker = next((c for c in _MARKERS if c not in messages[j]["content"]), None)
+    if marker is None:
+        raise ValueError(f"messages[{j}]: its content holds every marker character {_MARKERS!r}")
+    marked = list(messages)
+    marked[j] = {**messages[j], "content": head + marker}
+    text = render(messages, add_generation_prompt=add_generation_prompt)
+    other = render(marked, add_generation_prompt=add_generation_prompt)
+    if other == text:
+        return None
+    start = _common_prefix(text, other)
+    end = len(text) - _common_prefix(text[start:][::-1], other[start:][::-1])
+    rendered = text[start:end]
+    if rendered.strip() != answer.strip() or rendered not in answer:
+        raise ValueError(
+            f"messages[{j}]: the chat template renders its content as {rendered[:60]!r}, not as "
+            "the content itself (trimmed at most), so its tokens cannot be located"
+        )
+    return start, end
+
+
+def _split_reasoning(message: Message) -> tuple[str, str]:
+    """(inline reasoning block, answer) of an assistant message's content."""
+    content = message["content"]
+    if message["role"] == "assistant" and "</think>" in content:
+        answer = content.split("</think>")[-1]
+        return content[: len(content) - len(answer)], answer
+    return "", content
+
+
+def _reasoning_of(message: Message) -> str:
+    if message["role"] != "assistant":
+        return ""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"]
+    head = _split_reasoning(message)[0]
+    return head.removesuffix("</think>").split("<think>")[-1]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _encode(text: str, spans: Sequence[tuple[int, int]], tokenizer) -> Sample:
+    """Token ids of `text`, tokenized piece by piece at the span edges, and the targets."""
+    spans = sorted(span for span in spans if span[1] > span[0])
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError("two messages' target spans overlap in the rendering")
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    for start, end in spans:
+        pieces += [(text[at:start], False), (text[start:end], True)]
+        at = end
+    pieces.append((text[at:], False))
+    pieces = [(piece, is_target) for piece, is_target in pieces if piece]
+    encoded = tokenizer([piece for piece, _ in pieces], add_special_tokens=False)["input_ids"]
     input_ids: list[int] = []
     targets: list[bool] = []
-    for ids, (_, is_answer) in zip(encoded, pieces):
+    for ids, (_, is_target) in zip(encoded, pieces):
         input_ids += ids
-        targets += _answer_targets(ids, tokenizer.eos_token_id) if is_answer else [False] * len(ids)
+        targets += [is_target] * len(ids)
     return input_ids, targets
 
 
-def _answer_targets(ids: list[int], eos_token_id: int | None) -> list[bool]:
-    """Targets of an assistant answer: everything through its last eos token."""
-    if eos_token_id not in ids:
-        return [True] * len(ids)
-    end = len(ids) - ids[::-1].index(eos_token_id)
-    return [True] * end + [False] * (len(ids) - end)
-
-
-def _render(tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
+def _generation_sample(
+    messages: Sequence[Message], tokenizer, masking: ChatMasking, template: str, tools
+) -> Sample:
+    """The whole chat with the template's `{% generation %}` blocks as the targets."""
+    if masking.roles != {"assistant"}:
+        raise ValueError(
+            "a template with {% generation %} blocks marks only assistant text; data.loss_mask "
+            f"= {sorted(masking.roles)} cannot be honoured with it"
+        )
+    if not masking.reasoning and any(_reasoning_of(m).strip() for m in messages):
+        raise ValueError(
+            "data.train_reasoning = false cannot be honoured with a {% generation %} template: "
+            "the template decides what of a turn is marked"
+        )
     try:
-        return tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        out = tokenizer.apply_chat_template(
+            list(messages),
+            tools=tools,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
     except TemplateError as e:
         raise ValueError(f"the chat template failed: {e}") from e
-
-
-def _check_extends(prefix: str, text: str, what: str) -> None:
-    if not text.startswith(prefix):
-        raise ValueError(
-            f"the chat template is not prefix-stable: rendering {what} does not start with the "
-            "rendering of the earlier turns, so the assistant tokens cannot be located. Use a "
-            "template that renders earlier turns the same way whatever follows them."
-        )
+    input_ids = list(out["input_ids"])
+    targets = [bool(t) for t in out["assistant_masks"]]
+    if any(m["role"] == "assistant" for m in messages) and not any(targets):
+        raise ValueError("the template's {% generation %} blocks mark no token of this chat")
+    if masking.turns == "last" and any(targets):
+        last_start = max(i for i, t in enumerate(targets) if t and (i == 0 or not targets[i - 1]))
+        targets = [t and i >= last_start for i, t in enumerate(targets)]
+    return input_ids, targets

@@ -18,13 +18,17 @@ from fnt.data.load import Source, load_corpus
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
 from fnt.parallel import rank_share
-from fnt.tokenizer import pad_token_id
+from fnt.tokenizer import chat_masking, pad_token_id
 
 
 class DataConfig(Protocol):
     sources: Sequence[Source]
     overlong: str
     shuffle: bool
+    loss_mask: Sequence[str]
+    train_turns: str
+    train_reasoning: bool
+    chat_template: str
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,13 @@ def load_jsonl_data(
     """Read and tokenize the sources; the batch layout is checked before any file is read."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     pad = pad_token_id(tokenizer)
-    corpus = load_corpus(data_cfg.sources, tokenizer, seq_len=seq_len, overlong=data_cfg.overlong)
+    corpus = load_corpus(
+        data_cfg.sources,
+        tokenizer,
+        seq_len=seq_len,
+        overlong=data_cfg.overlong,
+        masking=chat_masking(data_cfg, tokenizer),
+    )
     order = SampleOrder(
         source_sizes=corpus.source_sizes,
         weights=tuple(float(source.weight) for source in data_cfg.sources),

@@ -551,6 +551,16 @@ def test_min_lr_must_not_exceed_lr(lr, min_lr):
             ),
             "'data.sources'",
         ),
+        (
+            Config(
+                data=DataConfig(
+                    kind="jsonl",
+                    sources=(DataSourceConfig(path="a.jsonl"),),
+                    loss_mask=("assistant", "bot"),
+                )
+            ),
+            "'data.loss_mask'",
+        ),
         (Config(max_steps=0), "'max_steps'"),
         (Config(seq_len=1), "'seq_len'"),
         (Config(optim=OptimConfig(lr=-1.0)), "'optim.lr'"),

@@ -10,8 +10,17 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from fnt.data import conversation_from_record, tokenize_conversation
+from fnt.data.chat import ChatMasking
+from fnt.tokenizer import stop_token_ids
 
 contents = st.text(max_size=20)
+
+
+def one_sample(messages, tokenizer):
+    """The single sample a prefix-stable template gives, with the default masking."""
+    masking = ChatMasking(stop_ids=stop_token_ids(tokenizer, None))
+    (sample,) = tokenize_conversation(messages, tokenizer, masking)
+    return sample
 
 
 @st.composite
@@ -42,7 +51,7 @@ def target_runs(ids: list[int], targets: list[bool]) -> list[list[int]]:
 @settings(max_examples=60, deadline=None)
 @given(messages=conversations())
 def test_targets_are_each_assistant_turn_through_its_eos(tokenizer, messages):
-    ids, targets = tokenize_conversation(messages, tokenizer)
+    ids, targets = one_sample(messages, tokenizer)
     decoded_runs = [tokenizer.decode(run) for run in target_runs(ids, targets)]
     assert decoded_runs == [
         m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"
@@ -55,7 +64,7 @@ def test_prompt_completion_is_a_user_assistant_chat_and_the_newline_after_eos_is
 ):
     messages = conversation_from_record({"prompt": "hi", "completion": "yo", "id": 7})
     assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    ids, targets = tokenize_conversation(messages, tokenizer)
+    ids, targets = one_sample(messages, tokenizer)
     assert (
         tokenizer.decode(ids)
         == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
@@ -91,10 +100,11 @@ def test_bad_records_are_rejected_with_the_reason(record, message):
         conversation_from_record(record)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_rejected(tiny_model_dir):
+def test_a_template_that_rewrites_earlier_turns_gives_one_sample_per_turn(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # Like reasoning templates that hide earlier answers: an answer renders differently once
-    # another turn follows it, so the rendering of a prefix is not a prefix of the rendering.
+    # another turn follows it, so training it inside the whole chat would train a text the model
+    # never produced. Each turn is a sample of its own, as the model met it.
     tokenizer.chat_template = (
         "{% for m in messages %}"
         "{% if m['role'] == 'assistant' and not loop.last %}"
@@ -104,10 +114,23 @@ def test_a_template_that_rewrites_earlier_turns_is_rejected(tiny_model_dir):
         "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
-    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    assert tokenize_conversation(turns, tokenizer)[0]  # one answer: nothing is rewritten
-    with pytest.raises(ValueError, match="not prefix-stable"):
-        tokenize_conversation(turns + turns, tokenizer)
+    masking = ChatMasking(stop_ids=stop_token_ids(tokenizer, None))
+    turns = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert len(tokenize_conversation(turns[:2], tokenizer, masking)) == 1
+    samples = tokenize_conversation(turns, tokenizer, masking)
+    assert [tokenizer.decode(ids) for ids, _ in samples] == [
+        "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n",
+        "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\n…<|im_end|>\n"
+        "<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\na2<|im_end|>\n",
+    ]
+    assert [
+        [tokenizer.decode(run) for run in target_runs(ids, targets)] for ids, targets in samples
+    ] == [["a1<|im_end|>"], ["a2<|im_end|>"]]
 
 
 def test_a_template_error_becomes_a_value_error(tiny_model_dir):
@@ -115,5 +138,7 @@ def test_a_template_error_becomes_a_value_error(tiny_model_dir):
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(ValueError, match="roles must alternate"):
         tokenize_conversation(
-            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenizer
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+            tokenizer,
+            ChatMasking(),
         )

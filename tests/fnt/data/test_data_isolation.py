@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from fnt.batch import DataPosition, PackedRows, block_causal_mask
+from fnt.config.schema import DataConfig, DataSourceConfig
 from fnt.data import load_jsonl_data
 from fnt.update import packed_logits
 
@@ -24,8 +24,9 @@ def packed_rows(tmp_path_factory, tokenizer) -> PackedRows:
             for i in range(8)
         )
     )
-    data = SimpleNamespace(
-        sources=(SimpleNamespace(path=str(path), weight=1.0, name=""),),
+    data = DataConfig(
+        kind="jsonl",
+        sources=(DataSourceConfig(path=str(path), weight=1.0, name=""),),
         overlong="truncate",
         shuffle=True,
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from itertools import islice
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.batch import DataPosition, SftBatch
+from fnt.config.schema import DataConfig, DataSourceConfig
 from fnt.data import JsonlData, SampleOrder, load_jsonl_data
 
 SEQ_LEN = 16
@@ -111,7 +111,7 @@ def test_resuming_from_a_batch_data_after_continues_exactly(
         assert batch.data_after == expected.data_after and batch.metrics == expected.metrics
 
 
-def write_sources(tmp_path, count_a: int, count_b: int) -> SimpleNamespace:
+def write_sources(tmp_path, count_a: int, count_b: int) -> DataConfig:
     a, b = tmp_path / "chat.jsonl", tmp_path / "pairs.jsonl"
     a.write_text(
         "".join(
@@ -132,10 +132,11 @@ def write_sources(tmp_path, count_a: int, count_b: int) -> SimpleNamespace:
             json.dumps({"prompt": f"p{i}", "completion": f"c{i}"}) + "\n" for i in range(count_b)
         )
     )
-    return SimpleNamespace(
+    return DataConfig(
+        kind="jsonl",
         sources=(
-            SimpleNamespace(path=str(a), weight=3.0, name=""),
-            SimpleNamespace(path=str(b), weight=1.0, name="pc"),
+            DataSourceConfig(path=str(a), weight=3.0, name=""),
+            DataSourceConfig(path=str(b), weight=1.0, name="pc"),
         ),
         overlong="truncate",
         shuffle=True,
@@ -205,8 +206,9 @@ def test_pad_is_the_tokenizers_pad_token(tmp_path, tokenizer):
 def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
     tmp_path, tokenizer, batch_size, micro_batch_size, dp_rank, dp_size, message
 ):
-    missing = SimpleNamespace(
-        sources=(SimpleNamespace(path=str(tmp_path / "no.jsonl"), weight=1.0, name=""),),
+    missing = DataConfig(
+        kind="jsonl",
+        sources=(DataSourceConfig(path=str(tmp_path / "no.jsonl"), weight=1.0, name=""),),
         overlong="truncate",
         shuffle=True,
     )
