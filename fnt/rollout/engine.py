@@ -169,10 +169,10 @@ def score(
             value = reward_fn(text, prompt.record)
         except Exception as e:
             raise ValueError(f"reward {reward_name!r} failed on {where}: {e}") from e
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        if not isinstance(value, numbers.Real):
             raise ValueError(
                 f"reward {reward_name!r} returned {value!r} for {text!r} on {where}; "
-                "expected a finite float"
+                "expected a float"
             )
         rewards.append(float(value))
     return rewards
