@@ -266,7 +266,7 @@ def sample_ids_of(loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, int]
     mask = loss_mask[:, 1:]
     docs = document_ids[:, 1:]
     rows = torch.arange(docs.shape[0], device=docs.device)[:, None].expand_as(docs)
-    span = int(document_ids.max()) + 1 if document_ids.numel() else 1
+    span = document_ids.shape[1]  # every document has a token, so its id is below T
     keys = (rows * span + docs)[mask]
     unique, ids = torch.unique(keys, sorted=True, return_inverse=True)
     return ids, int(unique.numel())
