@@ -41,11 +41,12 @@ the same temperature, adds to every kind
 
     ref_kl_tau * k2_t,   k2_t = (logp_t - ref_t)^2 / 2,   d k2_t = (logp_t - ref_t) d logp_t
 
-On samples drawn from the policy, the mean of (logp - ref) d logp is an unbiased estimate of the
-gradient of KL(pi || pi_ref) (the popular k3 = e^(ref - logp) - (ref - logp) - 1 as a loss has
-the gradient (1 - e^(ref - logp)) d logp, which is not, and it overflows for a token the policy
-has made very unlikely). The metric ref_kl/mean is the mean of k3 over the loss tokens, an
-unbiased, non-negative estimate of KL(pi || pi_ref) itself, in float64 and without gradient.
+For a token drawn from the policy at prefix s_t, (logp_t - ref_t) d logp_t is an unbiased
+estimate of the gradient of the token-level KL(pi(. | s_t) || pi_ref(. | s_t)), the prefix held
+fixed (the popular k3 = e^(ref - logp) - (ref - logp) - 1 as a loss has the gradient
+(1 - e^(ref - logp)) d logp, which is not, and it overflows for a token the policy has made very
+unlikely). The metric ref_kl/mean is the mean of k3 over the loss tokens, an unbiased,
+non-negative estimate of that KL itself, in float64 and without gradient.
 
 Aggregation (`loss.aggregation`), with N the step's global number of loss tokens and S its
 global number of samples (all micro-batches, all ranks; fnt.update divides):
