@@ -68,6 +68,7 @@ reference KL term apply to it as to the built-in kinds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -202,6 +203,7 @@ LOSS_KINDS: dict[str, LossKindFn] = {
 """The built-in kinds by their `loss.kind` name ("custom" resolves `loss.custom`)."""
 
 
+@functools.cache  # resolved once per run, not once per micro-batch
 def custom_loss_function(name: str) -> LossKindFn:
     """The function a `loss.custom` value "module:function" names (fnt.rewards.import_function:
     ValueError when it cannot be imported, is not callable or cannot take (inputs, config))."""
