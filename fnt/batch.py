@@ -103,13 +103,16 @@ class RLMicroBatch:
     temperatures: Tensor  # [B, T] float32, the sampling temperature of token t (> 0)
     inference_logprobs: Optional[Tensor]  # [B, T] float32, log p_sampler(token t) or None
     sample_lengths: tuple[tuple[int, ...], ...]  # per row, the token count of each document
+    # [B, T] float32, log p_reference(token t) at its temperature, or None (loss.ref_kl_tau)
+    ref_logprobs: Optional[Tensor] = None
 
     def check(self) -> None:
         self.rows.check()
         shape = self.rows.input_ids.shape
         tensors = {"advantages": self.advantages, "temperatures": self.temperatures}
-        if self.inference_logprobs is not None:
-            tensors["inference_logprobs"] = self.inference_logprobs
+        for name in ("inference_logprobs", "ref_logprobs"):
+            if getattr(self, name) is not None:
+                tensors[name] = getattr(self, name)
         for name, t in tensors.items():
             if t.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")

@@ -1,6 +1,7 @@
 """The first TrainState of a run, and restoring one from a checkpoint. Side effects: loads the
-model (and shards it under torchrun), creates the optimizer state, reads the data or prompts, and
-`restore_` loads a checkpoint into the state's model and optimizer.
+model (and shards it under torchrun; so too an RL reference model when the loss needs one),
+creates the optimizer state, reads the data or prompts, and `restore_` loads a checkpoint into
+the state's model and optimizer.
 
 Neither decides anything about resuming: `init_state` never looks at checkpoints, and `restore_`
 loads the one it is given. Which checkpoint (if any) a run continues from is `run`'s decision.
@@ -52,15 +53,38 @@ def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
     return {}
 
 
+def reference_model(config: Config, runtime: Runtime) -> Any:
+    """The frozen reference policy of an RL run whose loss needs one (loss.ref_kl_tau > 0 with
+    loss.ref_source = "model"), else None.
+
+    It is loaded from loss.ref_model (default model.name, the starting policy) and sharded
+    exactly like the policy (FSDP2 under torchrun, the same dtypes and kernel), then frozen: no
+    parameter requires a gradient, it is in no optimizer, and checkpoints do not hold it, so a
+    resumed run rebuilds it from its directory, as an uninterrupted one has it.
+    """
+    if not isinstance(config, RLConfig):
+        return None
+    loss = config.loss
+    if not loss.ref_kl_tau or loss.ref_source != "model":
+        return None
+    ref_config = dataclasses.replace(
+        config.model, name=loss.ref_model or config.model.name, ac=False
+    )
+    model = load_model(ref_config, runtime, runtime.offload)
+    return model.eval().requires_grad_(False)
+
+
 def init_state(config: Config, runtime: Runtime) -> TrainState:
     """A fresh TrainState at step 0: the model from `config.model.name`, its optimizer, the
-    source's handles and `Progress()`. Reads no checkpoint and refuses nothing."""
+    source's handles (and the RL reference model, `reference_model`) and `Progress()`. Reads no
+    checkpoint and refuses nothing."""
     # The data first: a bad file or prompt should fail before the model is loaded.
     sources = source_handles(config, runtime)
     model = load_model(config.model, runtime, runtime.offload)
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
-    handles = Handles(model, optimizer, runtime, StepCursor(0), **sources)
+    ref_model = reference_model(config, runtime)
+    handles = Handles(model, optimizer, runtime, StepCursor(0), **sources, ref_model=ref_model)
     return TrainState(config, Progress(), handles)
 
 

@@ -1,19 +1,29 @@
-"""Reward functions for RL rollouts, looked up by name. Pure, except that resolving a
-"module:function" name imports that module.
+"""Reward functions for RL rollouts, looked up by name, and what to do with a bad reward. Pure,
+except that resolving a "module:function" name imports that module.
 
 A reward function is `fn(completion: str, sample: dict) -> float`: `completion` is the generated
 text decoded without special tokens (so without the closing eos), `sample` is the prompt's JSONL
 record with all its fields (e.g. "answer"). `reward_function(name)` resolves either a name in
-REWARDS or a "module:function" string naming any importable function of that shape.
+REWARDS or a "module:function" string naming any importable function of that shape
+(`import_function`, which `loss.custom` uses too).
+
+A reward that is NaN or infinite is bad. `rollout.on_bad_reward` decides (`keep_group`): "error"
+stops the run with a message naming the reward and the prompt's line; "skip" gives the whole
+group of that prompt zero advantages (its mean and std are undefined), so the group's samples
+still fill the same rows as always (batch shapes, packing and the sampling seeds do not change)
+but teach nothing, and `rollout/bad_rewards` counts the bad rewards. A step whose every group
+is skipped this way has only zero advantages and makes no update (steps/rl.py).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
+import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Sequence
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -54,20 +64,40 @@ REWARDS: Mapping[str, RewardFn] = MappingProxyType(
 """The registered rewards, by the name `rollout.reward` uses."""
 
 
+def import_function(name: str, num_args: int) -> Callable[..., Any]:
+    """The function a "module:function" string names. ValueError saying what is wrong when the
+    string has another form, the module cannot be imported, lacks the attribute, or the
+    attribute is not callable or cannot take `num_args` positional arguments."""
+    module_name, colon, attr = name.partition(":")
+    if not colon or not module_name or not attr:
+        raise ValueError(f"{name!r} is not of the form 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{name!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{name!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{name!r}: {module_name}.{attr} is not callable")
+    try:
+        inspect.signature(fn).bind(*([None] * num_args))
+    except TypeError as e:
+        raise ValueError(
+            f"{name!r}: {module_name}.{attr} cannot take {num_args} positional arguments ({e})"
+        ) from None
+    except ValueError:  # no signature to inspect (some builtins): the call will tell
+        pass
+    return fn
+
+
 def reward_function(name: str) -> RewardFn:
     """The reward function a `rollout.reward` value names: a REWARDS key or "module:function"."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from e
-        fn = getattr(module, attr, None)
-        if fn is None:
-            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
-        if not callable(fn):
-            raise ValueError(f"reward {name!r}: {module_name}.{attr} is not callable")
-        return fn
+            return import_function(name, 2)
+        except ValueError as e:
+            raise ValueError(f"reward {e}") from e
     if name in REWARDS:
         return REWARDS[name]
     close = difflib.get_close_matches(name, list(REWARDS), n=1)
@@ -75,4 +105,21 @@ def reward_function(name: str) -> RewardFn:
     raise ValueError(
         f"unknown reward {name!r}{hint}. Registered rewards: {', '.join(sorted(REWARDS))}; or give "
         f"'module:function' for your own fn(completion: str, sample: dict) -> float"
+    )
+
+
+def keep_group(rewards: Sequence[float], policy: str, where: str, reward_name: str) -> bool:
+    """Whether a group with these rewards trains: True when all are finite; with a NaN/inf among
+    them, False under `rollout.on_bad_reward` = "skip" and a ValueError naming the reward, the
+    value and `where` under "error"."""
+    bad = [value for value in rewards if not math.isfinite(value)]
+    if not bad:
+        return True
+    if policy == "skip":
+        return False
+    if policy != "error":
+        raise ValueError(f"unknown rollout.on_bad_reward {policy!r}")
+    raise ValueError(
+        f"reward {reward_name!r} returned {bad[0]!r} on {where}; expected a finite float "
+        '(rollout.on_bad_reward = "skip" trains on without that prompt\'s group)'
     )

@@ -78,6 +78,9 @@ class Handles:
     """SFT on JSONL sources: the tokenized corpus and its sample order (None otherwise)."""
     rollouts: Optional[Union[InProcessEngine, ExternalRollouts]] = None
     """RL: where each step's rollouts come from (None for SFT)."""
+    ref_model: Any = None
+    """RL with loss.ref_kl_tau > 0 and ref_source = "model": the frozen reference policy, sharded
+    like the model, without gradients; never in the optimizer or a checkpoint (None otherwise)."""
 
 
 @dataclass(frozen=True)

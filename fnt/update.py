@@ -99,11 +99,14 @@ class StepTotals:
     samples: float
     tokens: float
     moe_stats: Optional[Tensor]  # [L, E + 2] summed router statistics (fnt.moe), None if dense
+    # What the loss sum was divided by: None for the loss tokens, else (e.g.) the samples
+    loss_denominator: Optional[float] = None
 
     def metrics(self) -> dict[str, Tensor]:
         """loss/mean, loss/nan_count and, for MoE models, the router statistics."""
+        denominator = self.loss_tokens if self.loss_denominator is None else self.loss_denominator
         out = {
-            "loss/mean": self.loss_sum / max(self.loss_tokens, 1.0),
+            "loss/mean": self.loss_sum / max(denominator, 1.0),
             "loss/nan_count": self.nan_count,
         }
         if self.moe_stats is not None:
@@ -121,8 +124,11 @@ def accumulate_gradients_(
     temperatures_of: Optional[Callable[[Any], Tensor]] = None,
     entropy: bool = False,
     chunk_tokens: int = ModelConfig.loss_chunk_tokens,
+    per_sample: bool = False,
 ) -> StepTotals:
-    """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count).
+    """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count), or
+    of (global loss sum / global sample count) when `per_sample` (a loss that sums per-sample
+    means, such as RL's loss.aggregation = "sequence").
 
     `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
     rows. `loss_fn` gets the loss tokens' logprobs at the temperatures `temperatures_of(mb)`
@@ -150,7 +156,8 @@ def accumulate_gradients_(
     loss_tokens, samples, tokens = all_reduce_sum(local, distributed).tolist()
     # FSDP2 averages gradients over the data-parallel ranks; scaling by dp turns that average
     # back into the global sum before the division by the global count.
-    scale = runtime.dims.dp / max(loss_tokens, 1.0)
+    denominator = samples if per_sample else loss_tokens
+    scale = runtime.dims.dp / max(denominator, 1.0)
 
     top_k = moe_top_k(model)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -198,6 +205,7 @@ def accumulate_gradients_(
         samples=samples,
         tokens=tokens,
         moe_stats=moe_stats,
+        loss_denominator=samples if per_sample else None,
     )
 
 
@@ -213,15 +221,20 @@ def grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:
 
 
 def optimizer_update_(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, config
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, config, skip: bool = False
 ) -> dict[str, Tensor | float]:
     """Set the step's LR, measure/clip the grad norm, update, zero grads. Returns optim/* metrics.
 
     A non-finite gradient norm skips the update on every rank (the norm is global, so all ranks
-    agree), so NaN never reaches the weights.
+    agree), so NaN never reaches the weights. `skip` (which every rank must pass alike, e.g. a
+    decision all-reduced by the step function) skips it too, without measuring the norm: the
+    step had nothing to learn from, and its grad norm is reported as NaN.
     """
     lr = lr_at(step, config.optim.lr, config.schedule, config.max_steps)
     set_lr_(optimizer, lr)
+    if skip:
+        optimizer.zero_grad(set_to_none=True)
+        return {"optim/lr": lr, "optim/grad_norm": float("nan"), "optim/skipped": 1.0}
     params = [p for p in model.parameters() if p.requires_grad]
     norm = grad_norm_(params, config.optim.max_norm)
     finite = bool(torch.isfinite(norm))
@@ -232,16 +245,23 @@ def optimizer_update_(
 
 
 def complete_step_(
-    state: Any, batch: Any, totals: StepTotals, loss_metrics: dict[str, Any], fwd_bwd_seconds: float
+    state: Any,
+    batch: Any,
+    totals: StepTotals,
+    loss_metrics: dict[str, Any],
+    fwd_bwd_seconds: float,
+    skip_update: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
     """The shared tail of every step: optimizer update, the step's metrics, the successor state.
 
     `loss_metrics` are the step function's own (e.g. loss/perplexity, entropy/all/mean); the
-    batch's data-side metrics are appended so the row carries them too.
+    batch's data-side metrics are appended so the row carries them too. `skip_update` (the same
+    on every rank) makes no update, as a non-finite gradient does (optimizer_update_); the step
+    still counts, so its data is consumed and its row written.
     """
     handles = state.handles
     optim_metrics = optimizer_update_(
-        handles.model, handles.optimizer, state.progress.step + 1, state.config
+        handles.model, handles.optimizer, state.progress.step + 1, state.config, skip_update
     )
     metrics = merge_metrics(
         totals.metrics(),

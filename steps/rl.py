@@ -1,29 +1,29 @@
-"""The RL step function and its loss. Side effects: `rl_step` runs forward/backward, collectives
-and the optimizer update on the referents of `state.handles` (it does not log, print, checkpoint
-or profile); every other function here is pure.
+"""The RL step function and its loss. Side effects: `rl_step` runs forward/backward (and the
+reference model's forward), collectives and the optimizer update on the referents of
+`state.handles` (it does not log, print, checkpoint or profile); every other function here is
+pure, except `reference_logprobs`, which runs the reference model.
 
-The loss, per loss token t (loss_mask[t]; token x_t is predicted from the logits at t-1), with
-tau_t the temperature token t was sampled at, A_t its advantage and q_t its inference logprob:
+The per-token losses of every `loss.kind`, the reference KL term and the aggregation are defined
+in steps/rl_losses.py. Per loss token t (loss_mask[t]; token x_t is predicted from the logits at
+t-1), with tau_t the temperature token t was sampled at:
 
     logp_t   = log_softmax(logits[t-1] / tau_t)[x_t]                     (float32)
-    log r_t  = logp_t - q_t                with inference logprobs
-             = logp_t - stopgrad(logp_t)   without: r_t = 1 in value, d r_t = d logp_t
-    r_t      = exp(log r_t)
-    masked_t = (A_t > 0 and r_t > 1 + eps_high) or (A_t < 0 and r_t < 1 - eps_low)
-    l_t      = -(1 - masked_t) * A_t * r_t  +  kl_tau * (log r_t)^2
-
     loss     = sum of l_t over the loss tokens of every micro-batch on every rank / N
-    N        = the global number of loss tokens of the step, masked tokens included
+               ("token"), or the sum of each sample's mean l_t / S ("sequence")
 
-The LM head computes logp_t (and H_t below) in chunks of `model.loss_chunk_tokens` loss tokens,
-without ever holding the full logits (fnt/lm_head.py).
+N is the global number of loss tokens of the step (masked tokens included), S the global
+number of samples. The LM head computes logp_t (and H_t below) in chunks of
+`model.loss_chunk_tokens` loss tokens, without ever holding the full logits (fnt/lm_head.py).
+The reference policy's logprobs (loss.ref_kl_tau > 0) are the batch's own (external rollouts
+with ref_logprobs, loss.ref_source = "rollouts") or come from the frozen reference model in
+`state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient.
 
-`masked_t` is decided on values, without gradient: a token whose ratio has already moved past
-the bound in the direction its advantage pushes gets no policy-gradient term (PPO clipping
-without the min). Masked tokens stay in N, so one denominator serves every term and masking a
-token never enlarges the others' weight. The mask applies to the policy-gradient term only; the
-penalty acts on every loss token, since it is what pulls a runaway ratio back toward 1. Without
-inference logprobs the gradient is REINFORCE's, -A_t * d logp_t / N, and the penalty is 0.
+A step whose every loss token has advantage 0 (every group's rewards were equal, or skipped
+for a bad reward) is skipped on every rank alike: the decision is all-reduced, no forward,
+backward or update runs, the step still counts (its prompts are consumed, its row written with
+optim/skipped = 1 and skipped/zero_advantage = 1, its loss and entropy NaN). With
+loss.ref_kl_tau > 0 the KL to the reference is a learning signal of its own, so no step is
+skipped for its advantages.
 
 Metrics of a step (sums come back over micro-batches and ranks; fnt.update):
 
@@ -32,8 +32,12 @@ Metrics of a step (sums come back over micro-batches and ranks; fnt.update):
                           inference logprobs: the k3 estimate of KL(sampler || trainer)
     kl_ent_ratio/mean     mismatch_kl/all/mean / entropy/all/mean: the sampler/trainer mismatch
                           relative to how spread out the policy is
-    masked/high_fraction  tokens masked for A > 0 and r > 1 + eps_high, / N
-    masked/low_fraction   tokens masked for A < 0 and r < 1 - eps_low, / N
+    masked/high_fraction  tokens masked where the probability went up (A > 0 for the
+                          sign-aware kinds), / N
+    masked/low_fraction   tokens masked where it went down, / N
+    ref_kl/mean           the k3 estimate of KL(policy || reference), mean over the loss tokens
+                          (only with the reference KL on)
+    skipped/zero_advantage  1 when the step was skipped for all-zero advantages, else 0
 
 The two mismatch metrics appear only when N_q > 0. loss/mean, loss/nan_count and optim/* come
 from fnt.update; the batch's own metrics (reward/mean, ...) are appended there too.
@@ -41,50 +45,82 @@ from fnt.update; the batch's own metrics (reward/mean, ...) are appended there t
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from fnt.batch import RLBatch, RLMicroBatch
+from fnt.batch import RLBatch, RLMicroBatch, to_device
 from fnt.config import RLLossConfig
-from fnt.lm_head import TokenLogprobs
+from fnt.lm_head import TokenLogprobs, loss_tokens_of
 from fnt.setup import Runtime
 from fnt.state import TrainState
-from fnt.update import StepTotals, accumulate_gradients_, complete_step_
+from fnt.update import (
+    StepTotals,
+    accumulate_gradients_,
+    all_reduce_sum,
+    complete_step_,
+    forward_loss_tokens,
+    micro_batches_to_run,
+)
+from steps.rl_losses import LossInputs, aggregate, ref_kl_k3, sample_ids_of, token_loss
 
 # The metric sums every micro-batch's loss returns. All keys are always present: the sums are
 # all-reduced as one stacked tensor, so every rank must send the same keys.
-SUM_KEYS = ("entropy", "masked_high", "masked_low", "mismatch_kl", "mismatch_tokens")
+SUM_KEYS = (
+    "entropy",
+    "masked_high",
+    "masked_low",
+    "mismatch_kl",
+    "mismatch_tokens",
+    "ref_kl",
+    "ref_kl_tokens",
+)
 
 
-def policy_loss(
-    logp: Tensor, inference_logprobs: Tensor | None, advantages: Tensor, config: RLLossConfig
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The loss sum over N loss tokens and the metric sums (no entropy), all inputs [N] float32."""
-    if inference_logprobs is None:
-        log_ratio = logp - logp.detach()
-    else:
-        log_ratio = logp - inference_logprobs
-    ratio = torch.exp(log_ratio)
-    r = ratio.detach()
-    masked_high = (advantages > 0) & (r > 1 + config.eps_high)
-    masked_low = (advantages < 0) & (r < 1 - config.eps_low)
-    keep = ~(masked_high | masked_low)
-    loss = -(advantages * ratio)[keep].sum()
-    if config.kl_tau:
-        loss = loss + config.kl_tau * log_ratio.square().sum()
-    zero = logp.new_zeros(())
+def policy_loss(inputs: LossInputs, config: RLLossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The micro-batch's aggregated loss (before the division by N or S) and the metric sums of
+    SUM_KEYS but the entropy."""
+    terms = token_loss(inputs, config)
+    loss = aggregate(terms.loss, inputs, config.aggregation)
+    zero = inputs.logp.new_zeros(())
     sums = {
-        "masked_high": masked_high.sum().float(),
-        "masked_low": masked_low.sum().float(),
+        "masked_high": terms.masked_high.sum().float(),
+        "masked_low": terms.masked_low.sum().float(),
         "mismatch_kl": zero,
         "mismatch_tokens": zero,
+        "ref_kl": zero,
+        "ref_kl_tokens": zero,
     }
-    if inference_logprobs is not None:
-        sums["mismatch_kl"] = (r - log_ratio.detach() - 1).sum()
-        sums["mismatch_tokens"] = logp.new_tensor(float(logp.numel()))
+    count = inputs.logp.new_tensor(float(inputs.logp.numel()))
+    if inputs.inference_logprobs is not None:
+        log_ratio = (inputs.logp - inputs.inference_logprobs).detach().double()
+        sums["mismatch_kl"] = (log_ratio.exp() - log_ratio - 1).sum().float()
+        sums["mismatch_tokens"] = count
+    if config.ref_kl_tau and inputs.ref_logprobs is not None:
+        sums["ref_kl"] = ref_kl_k3(inputs.logp, inputs.ref_logprobs).sum().float()
+        sums["ref_kl_tokens"] = count
     return loss, sums
+
+
+def loss_inputs(logprobs: TokenLogprobs, mb: RLMicroBatch) -> LossInputs:
+    """The micro-batch's loss tokens as the loss kinds see them (steps/rl_losses.py)."""
+    mask = mb.rows.loss_mask[:, 1:]
+
+    def at_loss_tokens(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t[:, 1:][mask].float()
+
+    sample_ids, num_samples = sample_ids_of(mb.rows.loss_mask, mb.rows.document_ids)
+    return LossInputs(
+        logp=logprobs.logp,
+        inference_logprobs=at_loss_tokens(mb.inference_logprobs),
+        ref_logprobs=at_loss_tokens(mb.ref_logprobs),
+        advantages=at_loss_tokens(mb.advantages),
+        sample_ids=sample_ids,
+        num_samples=num_samples,
+    )
 
 
 def rl_loss(
@@ -94,19 +130,49 @@ def rl_loss(
 
     `logprobs` are at the sampling temperatures, with entropies (see `rl_gradients_`).
     """
-    mask = mb.rows.loss_mask[:, 1:]
-    inference = mb.inference_logprobs
-    if inference is not None:
-        inference = inference[:, 1:][mask].float()
-    loss, sums = policy_loss(logprobs.logp, inference, mb.advantages[:, 1:][mask].float(), config)
+    loss, sums = policy_loss(loss_inputs(logprobs, mb), config)
     return loss, {"entropy": logprobs.entropy.sum(), **sums}
 
 
+@torch.no_grad()
+def reference_logprobs(
+    ref_model: nn.Module, batch: RLBatch, runtime: Runtime, chunk_tokens: int
+) -> RLBatch:
+    """The batch with `ref_logprobs` [B, T] set on every micro-batch: the reference model's
+    logprob of each loss token at its sampling temperature (0 elsewhere), on the device.
+
+    Runs the micro-batches `accumulate_gradients_` will run (the same count on every rank, as
+    FSDP2 needs); the trailing ones without a loss token on any rank get zeros.
+    """
+    counts = [int(mb.rows.loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
+    to_run = micro_batches_to_run(counts, runtime)
+    out = []
+    for i, mb in enumerate(batch.micro_batches):
+        mb = to_device(mb, runtime.device)
+        ref = torch.zeros(mb.rows.input_ids.shape, dtype=torch.float32, device=runtime.device)
+        if i < to_run:
+            tokens = loss_tokens_of(mb.rows, mb.temperatures)
+            _, logprobs = forward_loss_tokens(ref_model, mb.rows, tokens, chunk_tokens)
+            ref[:, 1:][tokens.mask] = logprobs.logp.float()
+            if hasattr(ref_model, "reshard"):  # FSDP2 keeps the root unsharded after a forward
+                ref_model.reshard()
+        out.append(dataclasses.replace(mb, ref_logprobs=ref))
+    return dataclasses.replace(batch, micro_batches=tuple(out))
+
+
 def rl_gradients_(
-    model: nn.Module, batch: RLBatch, runtime: Runtime, config: RLLossConfig, chunk_tokens: int
+    model: nn.Module,
+    batch: RLBatch,
+    runtime: Runtime,
+    config: RLLossConfig,
+    chunk_tokens: int,
+    ref_model: Optional[nn.Module] = None,
 ) -> StepTotals:
     """accumulate_gradients_ with the RL loss: logprobs and entropies at each token's sampling
-    temperature, in chunks of `chunk_tokens` loss tokens (0: from the full logits)."""
+    temperature, in chunks of `chunk_tokens` loss tokens (0: from the full logits). With
+    loss.ref_kl_tau > 0 and `ref_model`, the reference logprobs come from it first."""
+    if config.ref_kl_tau and ref_model is not None:
+        batch = reference_logprobs(ref_model, batch, runtime, chunk_tokens)
     return accumulate_gradients_(
         model,
         batch,
@@ -116,6 +182,7 @@ def rl_gradients_(
         temperatures_of=lambda mb: mb.temperatures,
         entropy=True,
         chunk_tokens=chunk_tokens,
+        per_sample=config.aggregation == "sequence",
     )
 
 
@@ -132,23 +199,73 @@ def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
         "masked/low_fraction": sums["masked_low"] / n,
     }
     # The key set depends on the data, so this costs one host sync per step.
-    if float(sums["mismatch_tokens"]) > 0:
+    mismatch_tokens, ref_tokens = torch.stack(
+        [sums["mismatch_tokens"].float().cpu(), sums["ref_kl_tokens"].float().cpu()]
+    ).tolist()
+    if mismatch_tokens > 0:
         mismatch_kl = sums["mismatch_kl"] / sums["mismatch_tokens"]
         metrics["mismatch_kl/all/mean"] = mismatch_kl
         metrics["kl_ent_ratio/mean"] = mismatch_kl / entropy
+    if ref_tokens > 0:
+        metrics["ref_kl/mean"] = sums["ref_kl"] / sums["ref_kl_tokens"]
     return metrics
 
 
+def zero_advantage_step(batch: RLBatch, runtime: Runtime) -> tuple[bool, list[float]]:
+    """(whether every loss token of the step, on every rank, has advantage 0; the global loss
+    tokens, samples and tokens). One all-reduce, so every rank decides alike."""
+    nonzero = sum(int((mb.advantages[mb.rows.loss_mask] != 0).sum()) for mb in batch.micro_batches)
+    local = torch.tensor(
+        [
+            float(nonzero),
+            float(sum(int(mb.rows.loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
+            float(batch.num_samples),
+            float(sum(mb.rows.num_tokens for mb in batch.micro_batches)),
+        ],
+        dtype=torch.float64,
+        device=runtime.device,
+    )
+    total_nonzero, *counts = all_reduce_sum(local, runtime.distributed).tolist()
+    return total_nonzero == 0, counts
+
+
+def skipped_totals(counts: list[float], per_sample: bool) -> StepTotals:
+    """The totals of a step that ran no forward/backward: NaN loss, no metric sums."""
+    loss_tokens, samples, tokens = counts
+    return StepTotals(
+        loss_sum=torch.tensor(float("nan")),
+        nan_count=torch.zeros(()),
+        sums={},
+        loss_tokens=loss_tokens,
+        samples=samples,
+        tokens=tokens,
+        moe_stats=None,
+        loss_denominator=samples if per_sample else None,
+    )
+
+
 def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
-    """One optimizer update over this rank's micro-batches with the loss of `state.config.loss`."""
+    """One optimizer update over this rank's micro-batches with the loss of `state.config.loss`;
+    no update, on every rank, when every advantage of the step is 0 (module docstring)."""
     batch.check()
     state.check_current()
     started = time.perf_counter()
-    totals = rl_gradients_(
-        state.handles.model,
-        batch,
-        state.handles.runtime,
-        state.config.loss,
-        state.config.model.loss_chunk_tokens,
+    config, runtime = state.config.loss, state.handles.runtime
+    skip = False
+    if not config.ref_kl_tau:
+        skip, counts = zero_advantage_step(batch, runtime)
+    if skip:
+        totals = skipped_totals(counts, config.aggregation == "sequence")
+    else:
+        totals = rl_gradients_(
+            state.handles.model,
+            batch,
+            runtime,
+            config,
+            state.config.model.loss_chunk_tokens,
+            ref_model=state.handles.ref_model,
+        )
+    metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
+    return complete_step_(
+        state, batch, totals, metrics, time.perf_counter() - started, skip_update=skip
     )
-    return complete_step_(state, batch, totals, rl_metrics(totals), time.perf_counter() - started)

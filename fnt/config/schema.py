@@ -234,14 +234,36 @@ class Config:
 @dataclass_json
 @dataclass(frozen=True)
 class RLLossConfig:
-    """The RL policy-gradient loss."""
+    """The RL policy-gradient loss: its kind, aggregation, penalties and reference model."""
 
+    kind: Literal["dppo_tv", "ipo", "ratio", "gspo", "custom"] = "dppo_tv"
+    """Per-token loss: dppo_tv (prime-rl default), ipo, ratio, gspo, custom (steps/rl_losses.py)."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """Divide the loss sum by the step's loss tokens (token), or average samples' token means."""
+    dppo_mask_low: float = 0.2
+    """dppo_tv: mask tokens with A < 0 whose probability already fell by more than this."""
+    dppo_mask_high: float = 0.2
+    """dppo_tv: mask tokens with A > 0 whose probability already rose by more than this."""
+    ipo_threshold: float = 0.1
+    """ipo: mask tokens whose probability already moved by more than this, either way."""
     eps_low: float = 0.2
-    """Mask tokens with A < 0 whose importance ratio is already below 1 - eps_low."""
+    """ratio: mask tokens with A < 0 whose importance ratio is already below 1 - eps_low."""
     eps_high: float = 0.28
-    """Mask tokens with A > 0 whose importance ratio is already above 1 + eps_high."""
-    kl_tau: float = 0.0
-    """Weight of the penalty kl_tau * (log r)^2; 0 turns it off."""
+    """ratio: mask tokens with A > 0 whose importance ratio is already above 1 + eps_high."""
+    gspo_eps_low: float = 3e-4
+    """gspo: mask samples with A < 0 whose sequence ratio is already below 1 - gspo_eps_low."""
+    gspo_eps_high: float = 4e-4
+    """gspo: mask samples with A > 0 whose sequence ratio is already above 1 + gspo_eps_high."""
+    kl_tau: float = 1e-3
+    """Weight of the penalty kl_tau * (log r)^2 on every loss token; 0 turns it off."""
+    custom: str = ""
+    """kind = "custom": "module:function" computing per-token losses fn(inputs, config)."""
+    ref_kl_tau: float = 0.0
+    """Weight of the KL to a frozen reference policy; 0 builds no reference model."""
+    ref_source: Literal["model", "rollouts"] = "model"
+    """Reference logprobs from the model ref_model (model), or external samples' ref_logprobs."""
+    ref_model: str = ""
+    """Directory of the reference policy (ref_source = "model"); empty means model.name."""
 
 
 @dataclass_json
@@ -269,6 +291,8 @@ class RolloutConfig:
     """External engine: how long to wait for a step's rollouts."""
     keep_weights: int = 2
     """External engine: published weight directories to keep."""
+    on_bad_reward: Literal["error", "skip"] = "error"
+    """A NaN/inf reward stops the run (error), or its group gets zero advantages (skip)."""
 
 
 @dataclass_json

@@ -12,6 +12,7 @@ from typing import Any
 from fnt.config.schema import CHAT_ROLES, Config, RLConfig, RolloutConfig, source_name
 from fnt.errors import ConfigError
 from fnt.parallel import plan_parallel_dims
+from fnt.rewards import import_function
 
 
 def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat list of rules
@@ -91,11 +92,50 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     if isinstance(config, RLConfig):
         require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
         require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
-        require(config.loss.eps_low >= 0, "loss.eps_low", "must be >= 0")
-        require(config.loss.eps_high >= 0, "loss.eps_high", "must be >= 0")
-        require(config.loss.kl_tau >= 0, "loss.kl_tau", "must be >= 0")
+        validate_loss(config)
         if config.rollout.engine == "in_process":
             validate_rollout(config.rollout, dp_size=dp)
+
+
+def validate_loss(config: RLConfig) -> None:
+    """ConfigError unless the loss settings can run; resolves loss.custom (imports its module)."""
+    loss = config.loss
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'loss.{key}' = {getattr(loss, key)!r}: {message}")
+
+    for key in (
+        "dppo_mask_low",
+        "dppo_mask_high",
+        "ipo_threshold",
+        "eps_low",
+        "eps_high",
+        "gspo_eps_low",
+        "gspo_eps_high",
+        "kl_tau",
+        "ref_kl_tau",
+    ):
+        value = getattr(loss, key)
+        require(math.isfinite(value) and value >= 0, key, "must be a finite number >= 0")
+    if loss.kind == "custom":
+        require(bool(loss.custom), "custom", 'loss.kind = "custom" needs "module:function" here')
+        try:
+            import_function(loss.custom, 2)
+        except ValueError as e:
+            raise ConfigError(
+                f"'loss.custom' = {loss.custom!r}: {e}; expected a loss fn(inputs, config) "
+                "(see steps/rl_losses.py)"
+            ) from None
+    else:
+        require(
+            not loss.custom, "custom", f'is set but loss.kind = {loss.kind!r}: set kind = "custom"'
+        )
+    require(
+        loss.ref_source == "model" or config.rollout.engine == "external",
+        "ref_source",
+        'only external rollouts carry ref_logprobs; use "model" with the in-process engine',
+    )
 
 
 def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:

@@ -32,7 +32,7 @@ from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
 from fnt.model import load_hf_model
 from fnt.parallel import rank_bounds, rank_share
-from fnt.rewards import RewardFn, reward_function
+from fnt.rewards import RewardFn, keep_group, reward_function
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, pack_rollouts
@@ -156,9 +156,10 @@ def check_prompt_lengths(
 def score(
     texts: Sequence[str], prompt: Prompt, reward_fn: RewardFn, reward_name: str
 ) -> list[float]:
-    """The reward of each completion text of one prompt.
+    """The reward of each completion text of one prompt (NaN and inf included: what to do with
+    them is rollout.on_bad_reward's, fnt.rewards.keep_group).
 
-    An error of the reward function, or a reward that is not a finite real number, raises a
+    An error of the reward function, or a reward that is not a real number, raises a
     ValueError naming the reward and the prompt's line in the prompts file.
     """
     rewards = []
@@ -168,10 +169,10 @@ def score(
             value = reward_fn(text, prompt.record)
         except Exception as e:
             raise ValueError(f"reward {reward_name!r} failed on {where}: {e}") from e
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real):
             raise ValueError(
                 f"reward {reward_name!r} returned {value!r} for {text!r} on {where}; "
-                "expected a finite float"
+                "expected a float"
             )
         rewards.append(float(value))
     return rewards
@@ -197,7 +198,11 @@ def rollout_group(
     )
     texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
     rewards = score(texts, prompt, reward_fn, rollout.reward)
-    advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0].tolist()
+    where = f"the prompt of line {prompt.line} of rollout.prompts"
+    if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
+        advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0].tolist()
+    else:
+        advantages = [0.0] * len(rewards)
     return [
         RolloutSample(prompt.token_ids, c, reward, advantage)
         for c, reward, advantage in zip(completions, rewards, advantages)
@@ -216,17 +221,23 @@ def rollout_metrics(
     """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
 
     time/rollout is the slowest rank's (the step waits for it); tokens_per_second counts the
-    generated tokens of all ranks over that time.
+    generated tokens of all ranks over that time. reward/* are over the finite rewards;
+    rollout/bad_rewards counts the NaN/inf rewards, whose groups rollout.on_bad_reward = "skip"
+    gave zero advantages.
     """
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    finite = torch.isfinite(rewards)
+    good = rewards[finite]
     lengths = [len(s.completion.token_ids) for s in samples]
     sums = torch.tensor(
         [
-            len(samples),
-            float(rewards.sum()),
-            float((rewards**2).sum()),
+            float(finite.sum()),
+            float(good.sum()),
+            float((good**2).sum()),
             sum(lengths),
             sum(not s.completion.stopped for s in samples),
+            len(samples),
+            len(samples) - float(finite.sum()),
         ],
         dtype=torch.float64,
         device=device,
@@ -235,12 +246,15 @@ def rollout_metrics(
     wall = torch.tensor([seconds], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    count, reward_sum, reward_sq, tokens, truncated = sums.tolist()
+    scored, reward_sum, reward_sq, tokens, truncated, count, bad = sums.tolist()
     seconds = float(wall)
+    rewards_of = reward_metrics(scored, reward_sum, reward_sq) if scored else {}
     return {
-        **reward_metrics(count, reward_sum, reward_sq),
+        "reward/mean": rewards_of.get("reward/mean", math.nan),
+        "reward/std": rewards_of.get("reward/std", math.nan),
         "time/rollout": seconds,
         "rollout/tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
         "rollout/completion_len/mean": tokens / count,
         "rollout/truncated_fraction": truncated / count,
+        "rollout/bad_rewards": bad,
     }

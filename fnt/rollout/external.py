@@ -75,8 +75,28 @@ def _int_list(value: Any, key: str, where: str) -> list[int]:
     return value
 
 
-def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
-    """One samples.jsonl line -> (sample, temperature, has inference logprobs). Pure."""
+def _logprob_list(record: dict, key: str, length: int, where: str) -> Optional[list[float]]:
+    """record[key] as floats, one finite number per completion token, or None when absent."""
+    values = record.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != length:
+        raise DataError(f"{where}: '{key}' needs one value per completion token")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise DataError(f"{where}: '{key}' must be numbers")
+    # A NaN or inf logprob would reach the loss and its gradient (a NaN ratio, an inf KL).
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise DataError(
+            f"{where}: '{key}' must be finite numbers, got {values[bad]!r} at completion token "
+            f"{bad}"
+        )
+    return [float(v) for v in values]
+
+
+def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Optional[list[float]]]:
+    """One samples.jsonl line -> (sample, temperature, has inference logprobs, its reference
+    logprobs or None). Pure."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -102,17 +122,11 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
         numbers[key] = float(value)
     if numbers["temperature"] <= 0:
         raise DataError(f"{where}: 'temperature' must be > 0")
-    logprobs = record.get("inference_logprobs")
-    if logprobs is not None:
-        if not isinstance(logprobs, list) or len(logprobs) != len(completion_ids):
-            raise DataError(f"{where}: 'inference_logprobs' needs one value per completion token")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
-            raise DataError(f"{where}: 'inference_logprobs' must be numbers")
+    logprobs = _logprob_list(record, "inference_logprobs", len(completion_ids), where)
+    ref_logprobs = _logprob_list(record, "ref_logprobs", len(completion_ids), where)
     completion = Completion(
         token_ids=tuple(completion_ids),
-        logprobs=tuple(float(v) for v in logprobs)
-        if logprobs is not None
-        else (0.0,) * len(completion_ids),
+        logprobs=tuple(logprobs) if logprobs is not None else (0.0,) * len(completion_ids),
         stopped=True,
     )
     sample = RolloutSample(
@@ -121,22 +135,26 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool]:
         reward=numbers["reward"],
         advantage=numbers["advantage"],
     )
-    return sample, numbers["temperature"], logprobs is not None
+    return sample, numbers["temperature"], logprobs is not None, ref_logprobs
 
 
-def read_rollouts(path: Path) -> tuple[list[RolloutSample], float, bool]:
-    """All samples of a step, their common temperature and whether they carry logprobs."""
+def read_rollouts(
+    path: Path,
+) -> tuple[list[RolloutSample], float, bool, Optional[list[list[float]]]]:
+    """All samples of a step, their common temperature, whether they carry inference logprobs,
+    and their reference logprobs (None when the samples have none)."""
     file = path / SAMPLES_FILE
     if not file.is_file():
         raise DataError(f"{file}: missing, although {path / COMPLETE_MARKER} exists")
-    samples, temperatures, with_logprobs = [], set(), set()
+    samples, temperatures, with_logprobs, refs = [], set(), set(), []
     for number, line in enumerate(file.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        sample, temperature, has_logprobs = parse_sample(line, f"{file}, line {number}")
+        sample, temperature, has_logprobs, ref = parse_sample(line, f"{file}, line {number}")
         samples.append(sample)
         temperatures.add(temperature)
         with_logprobs.add(has_logprobs)
+        refs.append(ref)
     if not samples:
         raise DataError(f"{file}: no samples")
     if len(temperatures) > 1:
@@ -145,7 +163,9 @@ def read_rollouts(path: Path) -> tuple[list[RolloutSample], float, bool]:
         )
     if len(with_logprobs) > 1:
         raise DataError(f"{file}: either every sample has 'inference_logprobs' or none has")
-    return samples, temperatures.pop(), with_logprobs.pop()
+    if len({ref is None for ref in refs}) > 1:
+        raise DataError(f"{file}: either every sample has 'ref_logprobs' or none has")
+    return samples, temperatures.pop(), with_logprobs.pop(), None if refs[0] is None else refs
 
 
 def rank_samples(
@@ -168,6 +188,21 @@ def external_metrics(samples: list[RolloutSample], waited: float) -> dict[str, f
         "time/rollout": waited,
         "rollout/completion_len/mean": sum(lengths) / len(lengths),
     }
+
+
+def with_ref_logprobs(micro_batches, share, refs, pack) -> tuple:
+    """The micro-batches with `ref_logprobs` from each sample's reference logprobs. Pure.
+
+    Packing depends only on the samples' lengths, so packing the same samples with the
+    reference logprobs in place of the inference ones puts every value at its token."""
+    as_inference = [
+        dataclasses.replace(s, completion=dataclasses.replace(s.completion, logprobs=tuple(ref)))
+        for s, ref in zip(share, refs)
+    ]
+    return tuple(
+        dataclasses.replace(mb, ref_logprobs=ref_mb.inference_logprobs)
+        for mb, ref_mb in zip(micro_batches, pack(as_inference))
+    )
 
 
 class ExternalRollouts:
@@ -195,20 +230,33 @@ class ExternalRollouts:
         path = rollout_dir(config.output_dir, state.progress.step + 1)
         started = time.perf_counter()
         wait_for_rollouts(path, config.rollout.timeout_s)
-        samples, temperature, has_logprobs = read_rollouts(path)
+        samples, temperature, has_logprobs, refs = read_rollouts(path)
         mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
-        micro_batches = pack_rollouts(
-            mine,
-            num_rows=config.batch_size // dp_size,
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-            temperature=temperature,
-            pad_token_id=self.pad_token_id,
-        )
+
+        def pack(share):
+            return pack_rollouts(
+                share,
+                num_rows=config.batch_size // dp_size,
+                seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size,
+                temperature=temperature,
+                pad_token_id=self.pad_token_id,
+            )
+
+        micro_batches = pack(mine)
         if not has_logprobs:
             micro_batches = tuple(
                 dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches
             )
+        loss = config.loss
+        if loss.ref_kl_tau and loss.ref_source == "rollouts":
+            if refs is None:
+                raise DataError(
+                    f"{path / SAMPLES_FILE}: the samples have no 'ref_logprobs', but "
+                    'loss.ref_kl_tau > 0 with loss.ref_source = "rollouts" needs them'
+                )
+            my_refs = rank_samples(refs, dp_rank, dp_size, path / SAMPLES_FILE)
+            micro_batches = with_ref_logprobs(micro_batches, mine, my_refs, pack)
         return RLBatch(
             micro_batches=micro_batches,
             num_samples=len(mine),

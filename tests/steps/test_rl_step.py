@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,7 @@ ADVANTAGES = (1.0, -1.0, 1.0, -1.0)
 TEMPERATURES = (1.0, 0.7, 1.3, 1.0)
 RL_KEYS = {
     "loss/mean",
+    "skipped/zero_advantage",
     "entropy/all/mean",
     "masked/high_fraction",
     "masked/low_fraction",
@@ -129,8 +131,19 @@ def test_positive_advantage_completions_become_more_likely(tiny_model_dir):
             assert after[r] < before[r] - 0.1, (r, before, after)
 
 
-def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir):
-    loss_config = RLLossConfig(eps_low=0.2, eps_high=0.28, kl_tau=0.1)
+@pytest.mark.parametrize(
+    "kind, aggregation", [("ratio", "token"), ("ratio", "sequence"), ("gspo", "sequence")]
+)
+def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir, kind, aggregation):
+    loss_config = RLLossConfig(
+        kind=kind,
+        aggregation=aggregation,
+        eps_low=0.2,
+        eps_high=0.28,
+        gspo_eps_low=0.05,
+        gspo_eps_high=0.05,
+        kl_tau=0.1,
+    )
     state = make_state(tiny_model_dir, loss=loss_config)
     model, runtime = state.handles.model, state.handles.runtime
     rows = random_rows(3)
@@ -146,9 +159,33 @@ def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir):
 
     full_totals, full = grads_for(ROWS)
     acc_totals, acc = grads_for(1)
-    assert full_totals.sums["masked_high"] > 0 and full_totals.sums["masked_low"] > 0
+    assert full_totals.sums["masked_high"] + full_totals.sums["masked_low"] > 0
+    if aggregation == "sequence":  # one sample per row: the loss is the mean of their means
+        assert full_totals.loss_denominator == ROWS
     torch.testing.assert_close(acc_totals.loss_sum, full_totals.loss_sum, rtol=0, atol=1e-4)
     for key, value in full_totals.sums.items():
         torch.testing.assert_close(acc_totals.sums[key], value, rtol=1e-5, atol=1e-4)
     for g_full, g_acc in zip(full, acc):
         torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
+
+
+def test_a_step_with_only_zero_advantages_makes_no_update(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    model, rows = state.handles.model, random_rows(5)
+    batch = rl_batch(rows, own_logprobs(model, rows))
+    zero = tuple(
+        dataclasses.replace(mb, advantages=torch.zeros_like(mb.advantages))
+        for mb in batch.micro_batches
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    state, metrics = rl_step(state, dataclasses.replace(batch, micro_batches=zero))
+    assert state.progress.step == 1 and state.progress.data == DataPosition(0, ROWS)
+    assert float(metrics["skipped/zero_advantage"]) == 1.0
+    assert float(metrics["optim/skipped"]) == 1.0
+    assert math.isnan(float(metrics["loss/mean"]))
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+    # The next step, with advantages, trains as usual.
+    state, metrics = rl_step(state, rl_batch(rows, own_logprobs(model, rows)))
+    assert float(metrics["skipped/zero_advantage"]) == 0.0
+    assert float(metrics["optim/skipped"]) == 0.0
+    assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))

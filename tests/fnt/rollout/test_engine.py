@@ -20,6 +20,7 @@ from fnt.rollout import (
     Prompt,
     RolloutSample,
     load_prompts,
+    rollout_group,
     rollout_metrics,
     score,
 )
@@ -214,12 +215,33 @@ def test_setup_errors_surface_when_the_engine_is_built(policy_dir, prompts_file)
 def test_reward_results_and_failures_are_checked_and_name_the_prompt():
     prompt = Prompt(record={"prompt": "a"}, token_ids=(1, 2), line=7)
     assert score(["a", "b"], prompt, lambda text, sample: text == "a", "is_a") == [1.0, 0.0]
-    with pytest.raises(ValueError, match=r"reward 'bad' returned nan for 'a' on .* line 7"):
-        score(["a"], prompt, lambda text, sample: float("nan"), "bad")
+    # NaN and inf pass: rollout.on_bad_reward decides about them (fnt.rewards.keep_group).
+    nan = score(["a", "b"], prompt, lambda text, sample: float("nan") if text == "a" else 1, "x")
+    assert math.isnan(nan[0]) and nan[1] == 1.0
     with pytest.raises(ValueError, match=r"reward 'bad' returned '1'"):
         score(["a"], prompt, lambda text, sample: "1", "bad")
     with pytest.raises(ValueError, match=r"'similarity' failed on the prompt of line 7.*'answer'"):
         score(["a"], prompt, similarity, "similarity")
+
+
+def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, prompts_file):
+    prompts = load_prompts(str(prompts_file), tokenizer)
+
+    def reward(text, sample):
+        return float("nan") if sample["id"] == 1 else float(sum(map(ord, text)) % 7)
+
+    rollout = rl_config(eval_model, prompts_file, reward="test_reward").rollout
+    generator = torch.Generator().manual_seed(0)
+    with pytest.raises(
+        ValueError, match=r"'test_reward' returned nan on .* line 2 .*on_bad_reward"
+    ):
+        rollout_group(eval_model, prompts[1], tokenizer, reward, rollout, generator)
+    skip = dataclasses.replace(rollout, on_bad_reward="skip")
+    skipped = rollout_group(eval_model, prompts[1], tokenizer, reward, skip, generator)
+    assert len(skipped) == rollout.group_size
+    assert all(s.advantage == 0.0 and math.isnan(s.reward) for s in skipped)
+    kept = rollout_group(eval_model, prompts[0], tokenizer, reward, skip, generator)
+    assert any(s.advantage != 0.0 for s in kept)
 
 
 def test_rollout_metrics_of_one_process():
@@ -242,7 +264,14 @@ def test_rollout_metrics_of_one_process():
         "rollout/tokens_per_second": 10.0,
         "rollout/completion_len/mean": 5.0,
         "rollout/truncated_fraction": 0.25,
+        "rollout/bad_rewards": 0.0,
     }
+    # A NaN reward (its group skipped) stays out of reward/*, and is counted.
+    samples[1] = sample(float("nan"), 8, False)
+    metrics = rollout_metrics(samples, 2.0, distributed=False, device=torch.device("cpu"))
+    assert metrics["reward/mean"] == pytest.approx(1 / 3)
+    assert metrics["rollout/bad_rewards"] == 1.0
+    assert metrics["rollout/completion_len/mean"] == 5.0
 
 
 def weights_checksum(model) -> str:

@@ -1,0 +1,275 @@
+"""The RL loss family: the per-token loss of each `loss.kind`, the reference-model KL term and
+the aggregation over samples. Pure, except that resolving `loss.custom` imports its module.
+
+Every kind maps the N loss tokens of one micro-batch (LossInputs) to a per-token loss l_t and
+the tokens it masked (TokenLoss). Notation, per loss token t of sample i:
+
+    logp_t   the trainer's log-probability of the token at its sampling temperature (gradient)
+    q_t      the sampler's (inference) log-probability; without one, q_t = stopgrad(logp_t)
+    log r_t  = logp_t - q_t,   r_t = exp(log r_t)             (r = 1 in value without q)
+    dp_t     = exp(logp_t) - exp(q_t), on values: how far the token's probability moved
+    A_t      the sample's advantage, on each of its tokens
+    sg(.)    stop-gradient; every mask is decided on values and carries no gradient
+
+    kind       masked_t (no policy-gradient term)                       l_t
+    dppo_tv    A_t > 0 and dp_t > dppo_mask_high,                      -(1 - masked_t) A_t r_t
+               or A_t < 0 and dp_t < -dppo_mask_low                       + kl_tau (log r_t)^2
+    ipo        |dp_t| > ipo_threshold                                  as dppo_tv
+    ratio      A_t > 0 and r_t > 1 + eps_high,                         as dppo_tv
+               or A_t < 0 and r_t < 1 - eps_low
+    gspo       as ratio, on the sample's ratio s_i instead of r_t      -(1 - masked_t) A_t s_i
+               s_i = exp(mean over the sample's tokens u of log r_u)      + kl_tau (log r_t)^2
+
+`dppo_tv` is prime-rl's default loss (DPPO with the binary total-variation trust region: the
+mask looks at the change of the token's probability, not at the ratio, so a rare token may move
+by a large ratio while a likely one may not move by much), with its default thresholds 0.2 / 0.2
+and kl_tau 1e-3; `ipo` is its symmetric variant (threshold 0.1). `ratio` is PPO's clipping
+without the min: the token whose ratio has already moved past the bound in the direction its
+advantage pushes gets no policy-gradient term. `gspo` (GSPO, Zheng et al. 2025) does the same
+with one ratio per sample, the geometric mean of its token ratios, so the gradient of sample i
+is -A_i s_i * mean_t d logp_t; its bounds are the paper's 3e-4 / 4e-4. The penalty
+kl_tau (log r_t)^2 acts on every loss token, masked or not: it is what pulls a runaway ratio
+back toward 1. Masked tokens contribute no policy-gradient term in value or gradient.
+
+Numerical safety: r_t (and s_i) is exp of log r where the token is kept and exp(0) where it is
+masked, so a masked token whose log ratio overflows float32 (log r > 88.7) gives neither inf nor
+a NaN gradient. A kept token whose ratio overflows makes its micro-batch's loss inf, which
+fnt.update leaves out and counts in loss/nan_count.
+
+The reference-model KL (`loss.ref_kl_tau` > 0), with ref_t the reference policy's logprob at
+the same temperature, adds to every kind
+
+    ref_kl_tau * k2_t,   k2_t = (logp_t - ref_t)^2 / 2,   d k2_t = (logp_t - ref_t) d logp_t
+
+For a token drawn from the policy at prefix s_t, (logp_t - ref_t) d logp_t is an unbiased
+estimate of the gradient of the token-level KL(pi(. | s_t) || pi_ref(. | s_t)), the prefix held
+fixed (the popular k3 = e^(ref - logp) - (ref - logp) - 1 as a loss has the gradient
+(1 - e^(ref - logp)) d logp, which is not, and it overflows for a token the policy has made very
+unlikely). The metric ref_kl/mean is the mean of k3 over the loss tokens, an unbiased,
+non-negative estimate of that KL itself, in float64 and without gradient.
+
+Aggregation (`loss.aggregation`), with N the step's global number of loss tokens and S its
+global number of samples (all micro-batches, all ranks; fnt.update divides):
+
+    token     loss = sum over every loss token of l_t / N                     (DAPO, Dr. GRPO)
+    sequence  loss = sum over samples i of (sum over i's tokens of l_t / |y_i|) / S   (GRPO)
+
+Token-mean weighs every token alike, so long samples carry more weight; sequence-mean weighs
+every sample alike, so a token of a short sample counts more. Masked tokens stay in N and |y_i|.
+
+A custom loss (`loss.kind = "custom"`, `loss.custom = "module:function"`) is a function
+
+    fn(inputs: LossInputs, config: RLLossConfig) -> Tensor | TokenLoss
+
+returning l_t [N] float32 (differentiable through inputs.logp only), or a TokenLoss with its
+masks for the masked/* metrics (a bare Tensor reports none masked). The aggregation and the
+reference KL term apply to it as to the built-in kinds.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from fnt.config import RLLossConfig
+from fnt.rewards import import_function
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """The N loss tokens of one micro-batch, row-major (the order of `t[:, 1:][loss_mask]`)."""
+
+    logp: Tensor  # [N] float32, differentiable: the trainer's logprob at the sampling temperature
+    inference_logprobs: Optional[Tensor]  # [N] float32, the sampler's logprob, or None
+    ref_logprobs: Optional[Tensor]  # [N] float32, the reference policy's logprob, or None
+    advantages: Tensor  # [N] float32, the token's sample's advantage
+    sample_ids: Tensor  # [N] int64 in [0, num_samples): the token's sample in this micro-batch
+    num_samples: int  # samples (documents) of this micro-batch that have loss tokens
+
+    def log_ratio(self) -> Tensor:
+        """log r_t [N]: logp - q, or logp - sg(logp) (0 in value) without inference logprobs."""
+        if self.inference_logprobs is None:
+            return self.logp - self.logp.detach()
+        return self.logp - self.inference_logprobs
+
+    def probability_change(self) -> Tensor:
+        """dp_t [N] = exp(logp) - exp(q), without gradient (0 without inference logprobs)."""
+        logp = self.logp.detach()
+        if self.inference_logprobs is None:
+            return torch.zeros_like(logp)
+        return logp.exp() - self.inference_logprobs.exp()
+
+    def sample_token_counts(self) -> Tensor:
+        """|y_i| [num_samples] float32: the loss tokens of each sample."""
+        counts = torch.zeros(self.num_samples, dtype=torch.float32, device=self.logp.device)
+        return counts.index_add_(0, self.sample_ids, torch.ones_like(self.logp.detach()))
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """What a loss kind returns: the per-token loss and the tokens it masked."""
+
+    loss: Tensor  # [N] float32, l_t
+    masked_high: Tensor  # [N] bool, masked where the probability went up (r > 1, dp > 0)
+    masked_low: Tensor  # [N] bool, masked where it went down (r < 1, dp < 0)
+
+
+def kept_ratio(log_ratio: Tensor, keep: Tensor) -> Tensor:
+    """exp(log r) where `keep`, exp(0) = 1 elsewhere: a masked entry never overflows, and its
+    gradient is exactly 0 (through torch.where), not 0 * inf = NaN."""
+    return torch.exp(torch.where(keep, log_ratio, torch.zeros_like(log_ratio)))
+
+
+def masked_policy_loss(
+    inputs: LossInputs, log_ratio: Tensor, masked_high: Tensor, masked_low: Tensor, kl_tau: float
+) -> TokenLoss:
+    """-(1 - masked) A r + kl_tau (log r_t)^2 per token, with r = exp(log_ratio) (token-level, or
+    a sample's ratio spread over its tokens), computed only where kept."""
+    keep = ~(masked_high | masked_low)
+    ratio = kept_ratio(log_ratio, keep)
+    policy = torch.where(keep, -inputs.advantages * ratio, torch.zeros_like(ratio))
+    loss = policy + kl_tau * inputs.log_ratio().square() if kl_tau else policy
+    return TokenLoss(loss, masked_high, masked_low)
+
+
+def dppo_tv_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
+    """prime-rl's default (DPPO-binary TV): mask on dp = exp(logp) - exp(q) by the advantage's
+    sign, A > 0 and dp > dppo_mask_high or A < 0 and dp < -dppo_mask_low; l_t = -(1 - masked)
+    A r + kl_tau (log r)^2 (module docstring)."""
+    dp = inputs.probability_change()
+    high = (inputs.advantages > 0) & (dp > config.dppo_mask_high)
+    low = (inputs.advantages < 0) & (dp < -config.dppo_mask_low)
+    return masked_policy_loss(inputs, inputs.log_ratio(), high, low, config.kl_tau)
+
+
+def ipo_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
+    """IPO: mask where |dp| > ipo_threshold whatever the advantage's sign; l_t = -(1 - masked)
+    A r + kl_tau (log r)^2. The masked/* metrics split the masked tokens by the sign of dp."""
+    dp = inputs.probability_change()
+    masked = dp.abs() > config.ipo_threshold
+    return masked_policy_loss(
+        inputs, inputs.log_ratio(), masked & (dp > 0), masked & (dp < 0), config.kl_tau
+    )
+
+
+def ratio_bounds_masks(
+    ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor]:
+    """(A > 0 and r > 1 + eps_high, A < 0 and r < 1 - eps_low), on values."""
+    ratio = ratio.detach()
+    return (advantages > 0) & (ratio > 1 + eps_high), (advantages < 0) & (ratio < 1 - eps_low)
+
+
+def ratio_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
+    """Ratio masking (PPO clipping without the min): mask A > 0 and r > 1 + eps_high or A < 0 and
+    r < 1 - eps_low; l_t = -(1 - masked) A r + kl_tau (log r)^2."""
+    log_ratio = inputs.log_ratio()
+    # exp on values only: the mask needs no gradient, and an overflow to inf still compares.
+    high, low = ratio_bounds_masks(
+        log_ratio.detach().exp(), inputs.advantages, config.eps_low, config.eps_high
+    )
+    return masked_policy_loss(inputs, log_ratio, high, low, config.kl_tau)
+
+
+def gspo_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
+    """GSPO: the sample's ratio s_i = exp(mean of its tokens' log r), masked by the ratio rule
+    with gspo_eps_low / gspo_eps_high; l_t = -(1 - masked) A_t s_i + kl_tau (log r_t)^2."""
+    log_ratio = inputs.log_ratio()
+    per_sample = torch.zeros(inputs.num_samples, dtype=log_ratio.dtype, device=log_ratio.device)
+    per_sample = per_sample.index_add(0, inputs.sample_ids, log_ratio)
+    mean_log_ratio = (per_sample / inputs.sample_token_counts().clamp_min(1.0))[inputs.sample_ids]
+    high, low = ratio_bounds_masks(
+        mean_log_ratio.detach().exp(),
+        inputs.advantages,
+        config.gspo_eps_low,
+        config.gspo_eps_high,
+    )
+    return masked_policy_loss(inputs, mean_log_ratio, high, low, config.kl_tau)
+
+
+LossKindFn = Callable[[LossInputs, RLLossConfig], Union[Tensor, TokenLoss]]
+
+LOSS_KINDS: dict[str, LossKindFn] = {
+    "dppo_tv": dppo_tv_loss,
+    "ipo": ipo_loss,
+    "ratio": ratio_loss,
+    "gspo": gspo_loss,
+}
+"""The built-in kinds by their `loss.kind` name ("custom" resolves `loss.custom`)."""
+
+
+@functools.cache  # resolved once per run, not once per micro-batch
+def custom_loss_function(name: str) -> LossKindFn:
+    """The function a `loss.custom` value "module:function" names (fnt.rewards.import_function:
+    ValueError when it cannot be imported, is not callable or cannot take (inputs, config))."""
+    return import_function(name, 2)
+
+
+def loss_kind_function(config: RLLossConfig) -> LossKindFn:
+    """The per-token loss function `config.kind` selects."""
+    if config.kind == "custom":
+        return custom_loss_function(config.custom)
+    return LOSS_KINDS[config.kind]
+
+
+def token_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
+    """The selected kind's TokenLoss, plus ref_kl_tau * k2_t when the reference KL is on."""
+    out = loss_kind_function(config)(inputs, config)
+    if isinstance(out, Tensor):
+        none = torch.zeros_like(inputs.logp, dtype=torch.bool)
+        out = TokenLoss(out, none, none)
+    if out.loss.shape != inputs.logp.shape:
+        raise ValueError(
+            f"loss.kind = {config.kind!r} returned a per-token loss of shape "
+            f"{tuple(out.loss.shape)}, expected {tuple(inputs.logp.shape)}"
+        )
+    if config.ref_kl_tau:
+        if inputs.ref_logprobs is None:
+            raise ValueError("loss.ref_kl_tau > 0 but the micro-batch has no reference logprobs")
+        out = TokenLoss(
+            out.loss + config.ref_kl_tau * ref_kl_k2(inputs.logp, inputs.ref_logprobs),
+            out.masked_high,
+            out.masked_low,
+        )
+    return out
+
+
+def ref_kl_k2(logp: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k2_t = (logp - ref)^2 / 2 [N], differentiable in logp (module docstring)."""
+    return 0.5 * (logp - ref_logprobs).square()
+
+
+def ref_kl_k3(logp: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3_t = e^(ref - logp) - (ref - logp) - 1 [N] float64, without gradient: the estimate of
+    KL(pi || pi_ref) that ref_kl/mean reports."""
+    delta = (ref_logprobs.detach() - logp.detach()).double()
+    return delta.exp() - delta - 1
+
+
+def aggregate(loss: Tensor, inputs: LossInputs, aggregation: str) -> Tensor:
+    """The micro-batch's share of the step's loss before fnt.update's division by N ("token")
+    or S ("sequence"): sum of l_t, or sum over samples of their token mean."""
+    if aggregation == "token":
+        return loss.sum()
+    if aggregation == "sequence":
+        weights = 1.0 / inputs.sample_token_counts().clamp_min(1.0)
+        return (loss * weights[inputs.sample_ids]).sum()
+    raise ValueError(f"unknown loss.aggregation {aggregation!r}")
+
+
+def sample_ids_of(loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, int]:
+    """The sample of each loss token [N] (row-major, the order of `t[:, 1:][mask]`) numbered
+    0..S-1 over the micro-batch, and S. A sample is a (row, document) pair; only documents with
+    loss tokens get a number, so padding never counts."""
+    mask = loss_mask[:, 1:]
+    docs = document_ids[:, 1:]
+    rows = torch.arange(docs.shape[0], device=docs.device)[:, None].expand_as(docs)
+    span = document_ids.shape[1]  # every document has a token, so its id is below T
+    keys = (rows * span + docs)[mask]
+    unique, ids = torch.unique(keys, sorted=True, return_inverse=True)
+    return ids, int(unique.numel())
