@@ -108,7 +108,9 @@ class Bare:
         started = time.perf_counter()
         width = max(len(p.token_ids) for p in prompts)
         pad = tok.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p.token_ids)) + list(p.token_ids) for p in prompts])
+        ids = torch.tensor(
+            [[pad] * (width - len(p.token_ids)) + list(p.token_ids) for p in prompts]
+        )
         attention = torch.tensor(
             [[0] * (width - len(p.token_ids)) + [1] * len(p.token_ids) for p in prompts]
         )
@@ -131,7 +133,9 @@ class Bare:
             completions == tok.eos_token_id
         ).int()
         completion_mask = after_eos == 0
-        texts = tok.batch_decode(completions.masked_fill(~completion_mask, pad), skip_special_tokens=True)
+        texts = tok.batch_decode(
+            completions.masked_fill(~completion_mask, pad), skip_special_tokens=True
+        )
         records = [p.record for p in prompts for _ in range(group)]
         rewards = torch.tensor(
             [self.reward_fn(t, r) for t, r in zip(texts, records)], dtype=torch.float32
@@ -200,7 +204,9 @@ def main() -> None:
         rewards = {"fnt": [], "bare": []}
         for i in range(args.warmup + args.steps):
             # The same prompts for both: the ones fnt's engine takes for this step.
-            ids, _ = step_prompts(engine.order, state.progress.data, config.rollout.prompts_per_step)
+            ids, _ = step_prompts(
+                engine.order, state.progress.data, config.rollout.prompts_per_step
+            )
             step_prompts_ = [engine.prompts[j] for j in ids]
             state, f_roll, f_upd, row = fnt_step(state, rl_source, rl_step, to_floats)
             b_roll, b_upd, b_reward = bare.step(step_prompts_, seed=config.seed * 1000 + i)

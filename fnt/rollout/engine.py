@@ -6,11 +6,13 @@ One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
 2. the step's global prompts are the next prompts_per_step of the prompt order; this rank takes
    its contiguous share;
-3. per prompt, group_size completions are sampled from the copy, with a generator seeded by
-   (seed, step, the prompt's slot in the step), so a step's samples do not depend on the number
-   of ranks and a resumed run draws exactly what an uninterrupted one would;
+3. the rank's prompts decode together, group_size completions each, sampled from the copy; each
+   prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in the
+   step), so a step's samples do not depend on the number of ranks and a resumed run draws
+   exactly what an uninterrupted one would (fnt.rollout.generate);
 4. each completion is scored by the reward function, advantages are relative within the group;
-5. the samples are packed into this rank's batch_size // dp rows.
+5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
+   as many on every rank (the most any rank needs).
 Generation runs on the copy, outside FSDP2, so ranks may generate different lengths without
 their collectives getting out of step.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,7 @@ from fnt.parallel import rank_bounds, rank_share
 from fnt.rewards import RewardFn, reward_function
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
-from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.setup import Runtime
 from fnt.state import TrainState
@@ -71,6 +73,7 @@ class InProcessEngine:
                 f"the tokenizer of {config.model.name} has no eos token to stop generation at"
             )
         self.pad_token_id = pad_token_id(self.tokenizer)
+        self.stop_token_ids = frozenset({self.tokenizer.eos_token_id})
         self.prompts = load_prompts(rollout.prompts, self.tokenizer)
         check_prompt_lengths(
             self.prompts,
@@ -101,21 +104,32 @@ class InProcessEngine:
         self.sync_weights_(state.handles.model)
         prompt_ids, after = step_prompts(self.order, position, rollout.prompts_per_step)
         lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
-        samples: list[RolloutSample] = []
-        for i, prompt_id in enumerate(
-            rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
-        ):
-            generator = torch.Generator(device=runtime.device).manual_seed(
+        prompts = [
+            self.prompts[i]
+            for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
+        ]
+        generators = [
+            torch.Generator(device=runtime.device).manual_seed(
                 sampling_seed(config.seed, step, lo + i)
             )
-            samples += rollout_group(
-                self.model,
-                self.prompts[prompt_id],
-                self.tokenizer,
-                self.reward_fn,
-                rollout,
-                generator,
-            )
+            for i in range(len(prompts))
+        ]
+        samples = rollout_groups(
+            self.model,
+            prompts,
+            self.tokenizer,
+            self.reward_fn,
+            rollout,
+            generators,
+            stop_token_ids=self.stop_token_ids,
+        )
+        # The packing fits each rank's rows to its samples; every rank must still run the same
+        # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
+        count = micro_batch_count(
+            [s.length for s in samples],
+            seq_len=config.seq_len,
+            micro_batch_size=config.micro_batch_size,
+        )
         micro_batches = pack_rollouts(
             samples,
             num_rows=config.batch_size // dp_size,
@@ -123,6 +137,7 @@ class InProcessEngine:
             micro_batch_size=config.micro_batch_size,
             temperature=rollout.temperature,
             pad_token_id=self.pad_token_id,
+            num_micro_batches=max_over_ranks(count, runtime),
         )
         metrics = rollout_metrics(
             samples,
@@ -177,31 +192,46 @@ def score(
     return rewards
 
 
-def rollout_group(
+def rollout_groups(
     model: nn.Module,
-    prompt: Prompt,
+    prompts: Sequence[Prompt],
     tokenizer,
     reward_fn: RewardFn,
     rollout: RolloutConfig,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
+    *,
+    stop_token_ids: Collection[int],
 ) -> list[RolloutSample]:
-    """Sample, decode, score one prompt's group of completions and give them their advantages."""
-    completions = generate(
+    """Sample the groups of all `prompts` in one decoding batch (prompt i's with generators[i]),
+    decode, score, and give each group its advantages; the samples in prompt order."""
+    groups = generate(
         model,
-        prompt.token_ids,
+        [p.token_ids for p in prompts],
         num_samples=rollout.group_size,
         max_new_tokens=rollout.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        stop_token_ids=stop_token_ids,
         temperature=rollout.temperature,
-        generator=generator,
+        generators=generators,
     )
-    texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-    rewards = score(texts, prompt, reward_fn, rollout.reward)
-    advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0].tolist()
-    return [
-        RolloutSample(prompt.token_ids, c, reward, advantage)
-        for c, reward, advantage in zip(completions, rewards, advantages)
-    ]
+    samples: list[RolloutSample] = []
+    for prompt, completions in zip(prompts, groups):
+        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+        rewards = score(texts, prompt, reward_fn, rollout.reward)
+        advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0].tolist()
+        samples += [
+            RolloutSample(prompt.token_ids, c, reward, advantage)
+            for c, reward, advantage in zip(completions, rewards, advantages)
+        ]
+    return samples
+
+
+def max_over_ranks(value: int, runtime: Runtime) -> int:
+    """The largest `value` of all ranks (a collective when distributed)."""
+    if not runtime.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:

@@ -28,7 +28,7 @@ from fnt.errors import DataError
 from fnt.parallel import rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
-from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.setup import Runtime
 from fnt.state import TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
@@ -197,6 +197,15 @@ class ExternalRollouts:
         wait_for_rollouts(path, config.rollout.timeout_s)
         samples, temperature, has_logprobs = read_rollouts(path)
         mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
+        # Every rank reads every sample, so all know the most micro-batches any share needs.
+        count = max(
+            micro_batch_count(
+                [s.length for s in rank_samples(samples, r, dp_size, path / SAMPLES_FILE)],
+                seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size,
+            )
+            for r in range(dp_size)
+        )
         micro_batches = pack_rollouts(
             mine,
             num_rows=config.batch_size // dp_size,
@@ -204,6 +213,7 @@ class ExternalRollouts:
             micro_batch_size=config.micro_batch_size,
             temperature=temperature,
             pad_token_id=self.pad_token_id,
+            num_micro_batches=count,
         )
         if not has_logprobs:
             micro_batches = tuple(

@@ -23,6 +23,7 @@ from fnt.rollout import (
     rollout_metrics,
     score,
 )
+from fnt.rollout.pack import ROW_MULTIPLE
 from fnt.setup import setup_trainer
 from fnt.sources import rl_source
 from fnt.state import Progress, StaleStateError
@@ -116,9 +117,13 @@ def test_rl_source_gives_scored_packed_rollouts_step_after_step(
     for batch, after in ((first, DataPosition(0, 4)), (second, DataPosition(0, 8))):
         batch.check()
         assert batch.data_after == after
-        assert len(batch.micro_batches) == 4 and all(
-            mb.rows.input_ids.shape == (2, 128) for mb in batch.micro_batches
-        )
+        # Rows fit the samples: as long as a micro-batch's longest sample, rounded up, within
+        # the token budget of micro_batch_size rows of seq_len.
+        for mb in batch.micro_batches:
+            rows, row_len = mb.rows.input_ids.shape
+            longest = max(max(lengths, default=0) for lengths in mb.sample_lengths)
+            assert row_len == -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE < 128
+            assert rows * row_len <= 2 * 128
         assert (
             batch.num_samples
             == 16
@@ -130,7 +135,7 @@ def test_rl_source_gives_scored_packed_rollouts_step_after_step(
         loss_tokens = sum(int(mb.rows.loss_mask.sum()) for mb in batch.micro_batches)
         assert batch.metrics["rollout/completion_len/mean"] == loss_tokens / 16
         assert batch.metrics["time/rollout"] > 0 and batch.metrics["rollout/tokens_per_second"] > 0
-        assert bool((torch.cat([mb.temperatures for mb in batch.micro_batches]) == 0.8).all())
+        assert all(bool((mb.temperatures == 0.8).all()) for mb in batch.micro_batches)
         # Rewards are scored on the completion text without special tokens; advantages per group.
         docs = completions_with_answers(batch, prompts, tokenizer)
         rewards = [similarity(text, record) for text, record, _ in docs]
