@@ -253,6 +253,8 @@ class RolloutConfig:
     """External engine: how long to wait for a step's rollouts."""
     keep_weights: int = 2
     """External engine: published weight directories to keep."""
+    async_level: int = 0
+    """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
 
 
 @dataclass_json

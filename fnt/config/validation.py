@@ -85,6 +85,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     if isinstance(config, RLConfig):
         require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
         require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
+        require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
         require(config.loss.eps_low >= 0, "loss.eps_low", "must be >= 0")
         require(config.loss.eps_high >= 0, "loss.eps_high", "must be >= 0")
         require(config.loss.kl_tau >= 0, "loss.kl_tau", "must be >= 0")

@@ -1,6 +1,8 @@
 """The in-process rollout engine. Side effects: loads an unsharded inference copy of the model,
 copies the live policy's weights into it before every rollout (a collective under FSDP2), reads
-the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed.
+the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed;
+with rollout.async_level > 0 it generates in a background thread and rank 0 writes the policies
+it samples from to {output_dir}/rollout_policy/ (see AsyncRollouts).
 
 One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
@@ -21,19 +23,23 @@ from __future__ import annotations
 
 import math
 import numbers
+import shutil
 import time
 from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnt.batch import RLBatch
+from fnt.batch import DataPosition, RLBatch
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
 from fnt.model import load_hf_model
 from fnt.parallel import rank_bounds, rank_share
+from fnt.resume import complete_steps, list_checkpoints, step_of
 from fnt.rewards import RewardFn, reward_function
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
@@ -42,6 +48,7 @@ from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.setup import Runtime
 from fnt.state import TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
+from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
 from fnt.update import all_reduce_sum
 
 
@@ -85,23 +92,35 @@ class InProcessEngine:
         self.model: nn.Module = (
             load_hf_model(config.model, runtime.device).eval().requires_grad_(False)
         )
+        self.background = AsyncRollouts(self) if rollout.async_level > 0 else None
 
     def sync_weights_(self, policy: nn.Module) -> None:
         """Load the live policy's weights into the copy; every rank calls it at the same point."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
-        self.model.load_state_dict(full)
+        self.model.load_state_dict(full_state_dict(policy))
 
     def rollout(self, state: TrainState) -> RLBatch:
-        """This rank's RL batch for update state.progress.step + 1, sampled from the policy's
-        weights as `state` has them (the copy is synced first; a collective under FSDP2)."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
-        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        """This rank's RL batch for update state.progress.step + 1.
+
+        async_level 0: sampled from the policy's weights as `state` has them (the copy is synced
+        first; a collective under FSDP2). async_level k > 0: sampled from the policy after step
+        max(0, step - 1 - k), in the background (see `AsyncRollouts`).
+        """
+        if self.background is not None:
+            return self.background.rollout(state)
         step, position = state.progress.step + 1, state.progress.data
         self.order.check(position)
         started = time.perf_counter()
         self.sync_weights_(state.handles.model)
+        samples, after = self.sample(self.model, step, position)
+        return self.batch(samples, after, time.perf_counter() - started)
+
+    def sample(
+        self, model: nn.Module, step: int, position: DataPosition
+    ) -> tuple[list[RolloutSample], DataPosition]:
+        """This rank's scored samples of update `step` from `model`, and the prompt position after
+        the step. No collective, so it may run in a background thread."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
         prompt_ids, after = step_prompts(self.order, position, rollout.prompts_per_step)
         lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
         prompts = [
@@ -115,7 +134,7 @@ class InProcessEngine:
             for i in range(len(prompts))
         ]
         samples = rollout_groups(
-            self.model,
+            model,
             prompts,
             self.tokenizer,
             self.reward_fn,
@@ -123,6 +142,19 @@ class InProcessEngine:
             generators,
             stop_token_ids=self.stop_token_ids,
         )
+        return samples, after
+
+    def batch(
+        self,
+        samples: list[RolloutSample],
+        after: DataPosition,
+        seconds: float,
+        *,
+        generation_seconds: Optional[float] = None,
+        staleness: int = 0,
+    ) -> RLBatch:
+        """Pack this rank's samples and measure them: collectives when distributed."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
         # The packing fits each rank's rows to its samples; every rank must still run the same
         # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
         count = micro_batch_count(
@@ -132,7 +164,7 @@ class InProcessEngine:
         )
         micro_batches = pack_rollouts(
             samples,
-            num_rows=config.batch_size // dp_size,
+            num_rows=config.batch_size // runtime.dims.dp,
             seq_len=config.seq_len,
             micro_batch_size=config.micro_batch_size,
             temperature=rollout.temperature,
@@ -141,16 +173,147 @@ class InProcessEngine:
         )
         metrics = rollout_metrics(
             samples,
-            time.perf_counter() - started,
+            seconds,
             distributed=runtime.distributed,
             device=runtime.device,
+            generation_seconds=generation_seconds,
         )
+        metrics["rollout/staleness"] = float(staleness)
         return RLBatch(
             micro_batches=micro_batches,
             num_samples=len(samples),
             data_after=after,
             metrics=metrics,
         )
+
+    def close(self) -> None:
+        """Stop the background generation, if any (waits for the running job)."""
+        if self.background is not None:
+            self.background.close()
+
+
+def full_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's full (unsharded) state dict, gathered from its FSDP2 shards: a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+
+
+def rollout_policy_step(step: int, async_level: int) -> int:
+    """The policy step (updates done) whose weights sample the rollouts of update `step`. Pure."""
+    return max(0, step - 1 - async_level)
+
+
+POLICY_DIR = "rollout_policy"
+POLICY_FILE = "weights.pt"
+
+
+class AsyncRollouts:
+    """Rollouts generated ahead in a background thread: rollout.async_level = k > 0.
+
+    The rollouts of update n come from the policy after step p(n) = max(0, n - 1 - k), always
+    exactly that one, so they do not depend on timing. When the trainer asks for update n (its
+    state holds the policy after step n - 1), the jobs of updates n .. n + k are in flight or
+    queued: update n + k is the one that needs the weights just reached, which are copied (a
+    collective under FSDP2, so in the calling thread) and handed to its job. One worker thread
+    runs the jobs in order on its own inference model, loading each job's weights first; it
+    samples and scores only, and the packing and the metric collectives run in the calling
+    thread, so no collective ever runs off the main thread.
+
+    Exact resume: rank 0 writes each copied policy to {output_dir}/rollout_policy/step_p/ (a
+    transaction) before the step that follows it trains, so a run resumed at step m reloads the
+    policies m - k .. m - 1 its first rollouts need. Policies older than the newest complete
+    checkpoint minus k are deleted.
+    """
+
+    def __init__(self, engine: InProcessEngine) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.engine = engine
+        self.k = engine.config.rollout.async_level
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-rollout")
+        self.jobs: dict[tuple[int, DataPosition], Any] = {}
+
+    def rollout(self, state: TrainState) -> RLBatch:
+        engine, k = self.engine, self.k
+        step, position = state.progress.step + 1, state.progress.data
+        engine.order.check(position)
+        started = time.perf_counter()
+        wanted = []
+        for j in range(step, step + k + 1):
+            wanted.append((j, position))
+            position = step_prompts(engine.order, position, engine.config.rollout.prompts_per_step)[
+                1
+            ]
+        # A state off the expected chain (another step or position) makes the queue stale.
+        for key in [key for key in self.jobs if key not in wanted]:
+            self.jobs.pop(key).cancel()
+        live: Optional[dict[str, torch.Tensor]] = None
+        for j, at in wanted:
+            if (j, at) in self.jobs:
+                continue
+            policy_step = rollout_policy_step(j, k)
+            if policy_step == state.progress.step:
+                if live is None:
+                    live = {
+                        n: t.detach().clone()
+                        for n, t in full_state_dict(state.handles.model).items()
+                    }
+                    self.save_policy(live, policy_step)
+                weights = live
+            else:
+                weights = self.load_policy(policy_step)
+            self.jobs[(j, at)] = self.pool.submit(self.job, weights, j, at)
+        samples, after, generation_seconds = self.jobs[wanted[0]].result()
+        return engine.batch(
+            samples,
+            after,
+            time.perf_counter() - started,
+            generation_seconds=generation_seconds,
+            staleness=state.progress.step - rollout_policy_step(step, k),
+        )
+
+    def job(self, weights: dict[str, torch.Tensor], step: int, position: DataPosition):
+        started = time.perf_counter()
+        self.engine.model.load_state_dict(weights)
+        samples, after = self.engine.sample(self.engine.model, step, position)
+        return samples, after, time.perf_counter() - started
+
+    def policy_dir(self, policy_step: int) -> Path:
+        return Path(self.engine.config.output_dir) / POLICY_DIR / f"step_{policy_step}"
+
+    def save_policy(self, weights: dict[str, torch.Tensor], policy_step: int) -> None:
+        """Rank 0: write the policy for a resumed run; prune the ones no resume can need."""
+        if not self.engine.runtime.is_main:
+            return
+        final = self.policy_dir(policy_step)
+        partial = begin_dir_(final)
+        torch.save(weights, partial / POLICY_FILE)
+        commit_dir_(partial, final, f"policy step {policy_step}\n", replace=True)
+        ckpt_root = Path(self.engine.config.output_dir) / "checkpoints"
+        oldest = min(policy_step, max(complete_steps(list_checkpoints(ckpt_root)), default=0))
+        for entry in final.parent.iterdir():
+            old = step_of(entry.name)
+            if old is not None and old < oldest - self.k:
+                (entry / COMPLETE_MARKER).unlink(missing_ok=True)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def load_policy(self, policy_step: int) -> dict[str, torch.Tensor]:
+        path = self.policy_dir(policy_step)
+        if not (path / COMPLETE_MARKER).is_file():
+            raise ConfigError(
+                f"rollout.async_level = {self.k}: the rollouts of the next steps come from the "
+                f"policy after step {policy_step}, but {path} is missing or incomplete (a run "
+                "resumed with async_level > 0 needs the rollout_policy/ directory of the run it "
+                "continues); resume with the run's output_dir as it was, or set "
+                "rollout.async_level = 0"
+            )
+        return torch.load(path / POLICY_FILE, map_location=self.engine.runtime.device)
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            job.cancel()
+        self.pool.shutdown(wait=True)
 
 
 def check_prompt_lengths(
@@ -241,12 +404,18 @@ def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[st
 
 
 def rollout_metrics(
-    samples: Sequence[RolloutSample], seconds: float, *, distributed: bool, device: torch.device
+    samples: Sequence[RolloutSample],
+    seconds: float,
+    *,
+    distributed: bool,
+    device: torch.device,
+    generation_seconds: Optional[float] = None,
 ) -> dict[str, float]:
     """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
 
-    time/rollout is the slowest rank's (the step waits for it); tokens_per_second counts the
-    generated tokens of all ranks over that time.
+    time/rollout is the slowest rank's `seconds` (the step waits for it); tokens_per_second
+    counts the generated tokens of all ranks over the slowest rank's generation_seconds (when
+    generation ran in the background; else over time/rollout).
     """
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     lengths = [len(s.completion.token_ids) for s in samples]
@@ -262,15 +431,16 @@ def rollout_metrics(
         device=device,
     )
     sums = all_reduce_sum(sums, distributed)
-    wall = torch.tensor([seconds], dtype=torch.float64, device=device)
+    generating = seconds if generation_seconds is None else generation_seconds
+    wall = torch.tensor([seconds, generating], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     count, reward_sum, reward_sq, tokens, truncated = sums.tolist()
-    seconds = float(wall)
+    seconds, generating = wall.tolist()
     return {
         **reward_metrics(count, reward_sum, reward_sq),
         "time/rollout": seconds,
-        "rollout/tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/tokens_per_second": tokens / generating if generating > 0 else 0.0,
         "rollout/completion_len/mean": tokens / count,
         "rollout/truncated_fraction": truncated / count,
     }
