@@ -239,12 +239,11 @@ class AsyncRollouts:
         step, position = state.progress.step + 1, state.progress.data
         engine.order.check(position)
         started = time.perf_counter()
+        per_step = engine.config.rollout.prompts_per_step
         wanted = []
         for j in range(step, step + k + 1):
             wanted.append((j, position))
-            position = step_prompts(engine.order, position, engine.config.rollout.prompts_per_step)[
-                1
-            ]
+            _, position = step_prompts(engine.order, position, per_step)
         # A state off the expected chain (another step or position) makes the queue stale.
         for key in [key for key in self.jobs if key not in wanted]:
             self.jobs.pop(key).cancel()
