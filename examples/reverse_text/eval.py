@@ -1,6 +1,6 @@
 """Held-out similarity of a model on the reverse-text task (reads a model and a JSONL file).
 
-For each held-out prompt the model decodes greedily; the score is the mean
+The held-out prompts decode greedily, all in one batch; the score is the mean
 difflib.SequenceMatcher ratio between the completion and the true reversal. Prints one JSON
 object: {"similarity": ..., "n": ...}.
 
@@ -24,20 +24,19 @@ def heldout_similarity(model_dir: Path, data: Path, limit: int, max_new_tokens: 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     records = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
-    scores = []
-    with torch.no_grad():
-        for record in records:
-            prompt_ids = render_prompt(prompt_messages(record), tokenizer)
-            (completion,) = generate(
-                model,
-                prompt_ids,
-                num_samples=1,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                greedy=True,
-            )
-            text = tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
-            scores.append(similarity(text, record))
+    prompts = [render_prompt(prompt_messages(record), tokenizer) for record in records]
+    groups = generate(
+        model,
+        prompts,
+        num_samples=1,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids={tokenizer.eos_token_id},
+        greedy=True,
+    )
+    scores = [
+        similarity(tokenizer.decode(list(completion.token_ids), skip_special_tokens=True), record)
+        for (completion,), record in zip(groups, records)
+    ]
     return {"similarity": sum(scores) / len(scores), "n": len(scores)}
 
 

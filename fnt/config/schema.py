@@ -293,6 +293,8 @@ class RolloutConfig:
     """External engine: published weight directories to keep."""
     on_bad_reward: Literal["error", "skip"] = "error"
     """A NaN/inf reward stops the run (error), or its group gets zero advantages (skip)."""
+    async_level: int = 0
+    """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
 
 
 @dataclass_json

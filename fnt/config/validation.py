@@ -93,6 +93,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
         require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
         validate_loss(config)
+        require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
         if config.rollout.engine == "in_process":
             validate_rollout(config.rollout, dp_size=dp)
 

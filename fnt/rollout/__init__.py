@@ -12,7 +12,7 @@ from fnt.rollout.engine import (
     InProcessEngine,
     check_prompt_lengths,
     reward_metrics,
-    rollout_group,
+    rollout_groups,
     rollout_metrics,
     score,
 )
@@ -42,7 +42,7 @@ __all__ = [
     "prompt_order",
     "render_prompt",
     "reward_metrics",
-    "rollout_group",
+    "rollout_groups",
     "rollout_metrics",
     "sampling_seed",
     "score",

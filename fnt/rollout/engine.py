@@ -1,16 +1,20 @@
 """The in-process rollout engine. Side effects: loads an unsharded inference copy of the model,
 copies the live policy's weights into it before every rollout (a collective under FSDP2), reads
-the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed.
+the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed;
+with rollout.async_level > 0 it generates in a background thread and rank 0 writes the policies
+it samples from to {output_dir}/rollout_policy/ (see AsyncRollouts).
 
 One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
 2. the step's global prompts are the next prompts_per_step of the prompt order; this rank takes
    its contiguous share;
-3. per prompt, group_size completions are sampled from the copy, with a generator seeded by
-   (seed, step, the prompt's slot in the step), so a step's samples do not depend on the number
-   of ranks and a resumed run draws exactly what an uninterrupted one would;
+3. the rank's prompts decode together, group_size completions each, sampled from the copy; each
+   prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in the
+   step), so a step's samples do not depend on the number of ranks and a resumed run draws
+   exactly what an uninterrupted one would (fnt.rollout.generate);
 4. each completion is scored by the reward function, advantages are relative within the group;
-5. the samples are packed into this rank's batch_size // dp rows.
+5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
+   as many on every rank (the most any rank needs).
 Generation runs on the copy, outside FSDP2, so ranks may generate different lengths without
 their collectives getting out of step.
 """
@@ -19,27 +23,32 @@ from __future__ import annotations
 
 import math
 import numbers
+import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fnt.batch import RLBatch
+from fnt.batch import DataPosition, RLBatch
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
 from fnt.model import load_hf_model
 from fnt.parallel import rank_bounds, rank_share
+from fnt.resume import complete_steps, list_checkpoints, step_of
 from fnt.rewards import RewardFn, keep_group, reward_function
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
-from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.setup import Runtime
 from fnt.state import TrainState
-from fnt.tokenizer import load_tokenizer, pad_token_id
+from fnt.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
 from fnt.update import all_reduce_sum
 
 
@@ -66,11 +75,12 @@ class InProcessEngine:
         self.config, self.runtime = config, runtime
         self.reward_fn = reward_function(rollout.reward)
         self.tokenizer = load_tokenizer(config.model.name)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(
-                f"the tokenizer of {config.model.name} has no eos token to stop generation at"
-            )
         self.pad_token_id = pad_token_id(self.tokenizer)
+        # eos, generation_config.json's eos list and the template's end-of-turn token.
+        try:
+            self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.name)
+        except ValueError as e:
+            raise ValueError(f"{config.model.name}: nothing to stop generation at: {e}") from e
         self.prompts = load_prompts(rollout.prompts, self.tokenizer)
         check_prompt_lengths(
             self.prompts,
@@ -82,60 +92,227 @@ class InProcessEngine:
         self.model: nn.Module = (
             load_hf_model(config.model, runtime.device).eval().requires_grad_(False)
         )
+        self.background = AsyncRollouts(self) if rollout.async_level > 0 else None
 
     def sync_weights_(self, policy: nn.Module) -> None:
         """Load the live policy's weights into the copy; every rank calls it at the same point."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
-        self.model.load_state_dict(full)
+        self.model.load_state_dict(full_state_dict(policy))
 
     def rollout(self, state: TrainState) -> RLBatch:
-        """This rank's RL batch for update state.progress.step + 1, sampled from the policy's
-        weights as `state` has them (the copy is synced first; a collective under FSDP2)."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
-        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        """This rank's RL batch for update state.progress.step + 1.
+
+        async_level 0: sampled from the policy's weights as `state` has them (the copy is synced
+        first; a collective under FSDP2). async_level k > 0: sampled from the policy after step
+        max(0, step - 1 - k), in the background (see `AsyncRollouts`).
+        """
+        if self.background is not None:
+            return self.background.rollout(state)
         step, position = state.progress.step + 1, state.progress.data
         self.order.check(position)
         started = time.perf_counter()
         self.sync_weights_(state.handles.model)
+        samples, after = self.sample(self.model, step, position)
+        return self.batch(samples, after, time.perf_counter() - started)
+
+    def sample(
+        self, model: nn.Module, step: int, position: DataPosition
+    ) -> tuple[list[RolloutSample], DataPosition]:
+        """This rank's scored samples of update `step` from `model`, and the prompt position after
+        the step. No collective, so it may run in a background thread."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
         prompt_ids, after = step_prompts(self.order, position, rollout.prompts_per_step)
         lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
-        samples: list[RolloutSample] = []
-        for i, prompt_id in enumerate(
-            rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
-        ):
-            generator = torch.Generator(device=runtime.device).manual_seed(
+        prompts = [
+            self.prompts[i]
+            for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
+        ]
+        generators = [
+            torch.Generator(device=runtime.device).manual_seed(
                 sampling_seed(config.seed, step, lo + i)
             )
-            samples += rollout_group(
-                self.model,
-                self.prompts[prompt_id],
-                self.tokenizer,
-                self.reward_fn,
-                rollout,
-                generator,
-            )
+            for i in range(len(prompts))
+        ]
+        samples = rollout_groups(
+            model,
+            prompts,
+            self.tokenizer,
+            self.reward_fn,
+            rollout,
+            generators,
+            stop_token_ids=self.stop_token_ids,
+        )
+        return samples, after
+
+    def batch(
+        self,
+        samples: list[RolloutSample],
+        after: DataPosition,
+        seconds: float,
+        *,
+        generation_seconds: Optional[float] = None,
+        staleness: int = 0,
+    ) -> RLBatch:
+        """Pack this rank's samples and measure them: collectives when distributed."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        # The packing fits each rank's rows to its samples; every rank must still run the same
+        # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
+        count = micro_batch_count(
+            [s.length for s in samples],
+            seq_len=config.seq_len,
+            micro_batch_size=config.micro_batch_size,
+        )
         micro_batches = pack_rollouts(
             samples,
-            num_rows=config.batch_size // dp_size,
+            num_rows=config.batch_size // runtime.dims.dp,
             seq_len=config.seq_len,
             micro_batch_size=config.micro_batch_size,
             temperature=rollout.temperature,
             pad_token_id=self.pad_token_id,
+            num_micro_batches=max_over_ranks(count, runtime),
         )
         metrics = rollout_metrics(
             samples,
-            time.perf_counter() - started,
+            seconds,
             distributed=runtime.distributed,
             device=runtime.device,
+            generation_seconds=generation_seconds,
         )
+        metrics["rollout/staleness"] = float(staleness)
         return RLBatch(
             micro_batches=micro_batches,
             num_samples=len(samples),
             data_after=after,
             metrics=metrics,
         )
+
+    def close(self) -> None:
+        """Stop the background generation, if any (waits for the running job)."""
+        if self.background is not None:
+            self.background.close()
+
+
+def full_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's full (unsharded) state dict, gathered from its FSDP2 shards: a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+
+
+def rollout_policy_step(step: int, async_level: int) -> int:
+    """The policy step (updates done) whose weights sample the rollouts of update `step`. Pure."""
+    return max(0, step - 1 - async_level)
+
+
+POLICY_DIR = "rollout_policy"
+POLICY_FILE = "weights.pt"
+
+
+class AsyncRollouts:
+    """Rollouts generated ahead in a background thread: rollout.async_level = k > 0.
+
+    The rollouts of update n come from the policy after step p(n) = max(0, n - 1 - k), always
+    exactly that one, so they do not depend on timing. When the trainer asks for update n (its
+    state holds the policy after step n - 1), the jobs of updates n .. n + k are in flight or
+    queued: update n + k is the one that needs the weights just reached, which are copied (a
+    collective under FSDP2, so in the calling thread) and handed to its job. One worker thread
+    runs the jobs in order on its own inference model, loading each job's weights first; it
+    samples and scores only, and the packing and the metric collectives run in the calling
+    thread, so no collective ever runs off the main thread.
+
+    Exact resume: rank 0 writes each copied policy to {output_dir}/rollout_policy/step_p/ (a
+    transaction) before the step that follows it trains, so a run resumed at step m reloads the
+    policies m - k .. m - 1 its first rollouts need. Policies older than the newest complete
+    checkpoint minus k are deleted.
+    """
+
+    def __init__(self, engine: InProcessEngine) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.engine = engine
+        self.k = engine.config.rollout.async_level
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-rollout")
+        self.jobs: dict[tuple[int, DataPosition], Any] = {}
+
+    def rollout(self, state: TrainState) -> RLBatch:
+        engine, k = self.engine, self.k
+        step, position = state.progress.step + 1, state.progress.data
+        engine.order.check(position)
+        started = time.perf_counter()
+        per_step = engine.config.rollout.prompts_per_step
+        wanted = []
+        for j in range(step, step + k + 1):
+            wanted.append((j, position))
+            _, position = step_prompts(engine.order, position, per_step)
+        # A state off the expected chain (another step or position) makes the queue stale.
+        for key in [key for key in self.jobs if key not in wanted]:
+            self.jobs.pop(key).cancel()
+        live: Optional[dict[str, torch.Tensor]] = None
+        for j, at in wanted:
+            if (j, at) in self.jobs:
+                continue
+            policy_step = rollout_policy_step(j, k)
+            if policy_step == state.progress.step:
+                if live is None:
+                    live = {
+                        n: t.detach().clone()
+                        for n, t in full_state_dict(state.handles.model).items()
+                    }
+                    self.save_policy(live, policy_step)
+                weights = live
+            else:
+                weights = self.load_policy(policy_step)
+            self.jobs[(j, at)] = self.pool.submit(self.job, weights, j, at)
+        samples, after, generation_seconds = self.jobs[wanted[0]].result()
+        return engine.batch(
+            samples,
+            after,
+            time.perf_counter() - started,
+            generation_seconds=generation_seconds,
+            staleness=state.progress.step - rollout_policy_step(step, k),
+        )
+
+    def job(self, weights: dict[str, torch.Tensor], step: int, position: DataPosition):
+        started = time.perf_counter()
+        self.engine.model.load_state_dict(weights)
+        samples, after = self.engine.sample(self.engine.model, step, position)
+        return samples, after, time.perf_counter() - started
+
+    def policy_dir(self, policy_step: int) -> Path:
+        return Path(self.engine.config.output_dir) / POLICY_DIR / f"step_{policy_step}"
+
+    def save_policy(self, weights: dict[str, torch.Tensor], policy_step: int) -> None:
+        """Rank 0: write the policy for a resumed run; prune the ones no resume can need."""
+        if not self.engine.runtime.is_main:
+            return
+        final = self.policy_dir(policy_step)
+        partial = begin_dir_(final)
+        torch.save(weights, partial / POLICY_FILE)
+        commit_dir_(partial, final, f"policy step {policy_step}\n", replace=True)
+        ckpt_root = Path(self.engine.config.output_dir) / "checkpoints"
+        oldest = min(policy_step, max(complete_steps(list_checkpoints(ckpt_root)), default=0))
+        for entry in final.parent.iterdir():
+            old = step_of(entry.name)
+            if old is not None and old < oldest - self.k:
+                (entry / COMPLETE_MARKER).unlink(missing_ok=True)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def load_policy(self, policy_step: int) -> dict[str, torch.Tensor]:
+        path = self.policy_dir(policy_step)
+        if not (path / COMPLETE_MARKER).is_file():
+            raise ConfigError(
+                f"rollout.async_level = {self.k}: the rollouts of the next steps come from the "
+                f"policy after step {policy_step}, but {path} is missing or incomplete (a run "
+                "resumed with async_level > 0 needs the rollout_policy/ directory of the run it "
+                "continues); resume with the run's output_dir as it was, or set "
+                "rollout.async_level = 0"
+            )
+        return torch.load(path / POLICY_FILE, map_location=self.engine.runtime.device)
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            job.cancel()
+        self.pool.shutdown(wait=True)
 
 
 def check_prompt_lengths(
@@ -178,35 +355,51 @@ def score(
     return rewards
 
 
-def rollout_group(
+def rollout_groups(
     model: nn.Module,
-    prompt: Prompt,
+    prompts: Sequence[Prompt],
     tokenizer,
     reward_fn: RewardFn,
     rollout: RolloutConfig,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
+    *,
+    stop_token_ids: Collection[int],
 ) -> list[RolloutSample]:
-    """Sample, decode, score one prompt's group of completions and give them their advantages."""
-    completions = generate(
+    """Sample the groups of all `prompts` in one decoding batch (prompt i's with generators[i]),
+    decode, score, and give each group its advantages; the samples in prompt order."""
+    groups = generate(
         model,
-        prompt.token_ids,
+        [p.token_ids for p in prompts],
         num_samples=rollout.group_size,
         max_new_tokens=rollout.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        stop_token_ids=stop_token_ids,
         temperature=rollout.temperature,
-        generator=generator,
+        generators=generators,
     )
-    texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-    rewards = score(texts, prompt, reward_fn, rollout.reward)
-    where = f"the prompt of line {prompt.line} of rollout.prompts"
-    if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
-        advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0].tolist()
-    else:
-        advantages = [0.0] * len(rewards)
-    return [
-        RolloutSample(prompt.token_ids, c, reward, advantage)
-        for c, reward, advantage in zip(completions, rewards, advantages)
-    ]
+    samples: list[RolloutSample] = []
+    for prompt, completions in zip(prompts, groups):
+        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
+        rewards = score(texts, prompt, reward_fn, rollout.reward)
+        where = f"the prompt of line {prompt.line} of rollout.prompts"
+        if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
+            advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0]
+            advantages = advantages.tolist()
+        else:
+            advantages = [0.0] * len(rewards)
+        samples += [
+            RolloutSample(prompt.token_ids, c, reward, advantage)
+            for c, reward, advantage in zip(completions, rewards, advantages)
+        ]
+    return samples
+
+
+def max_over_ranks(value: int, runtime: Runtime) -> int:
+    """The largest `value` of all ranks (a collective when distributed)."""
+    if not runtime.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:
@@ -216,14 +409,20 @@ def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[st
 
 
 def rollout_metrics(
-    samples: Sequence[RolloutSample], seconds: float, *, distributed: bool, device: torch.device
+    samples: Sequence[RolloutSample],
+    seconds: float,
+    *,
+    distributed: bool,
+    device: torch.device,
+    generation_seconds: Optional[float] = None,
 ) -> dict[str, float]:
     """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
 
-    time/rollout is the slowest rank's (the step waits for it); tokens_per_second counts the
-    generated tokens of all ranks over that time. reward/* are over the finite rewards;
-    rollout/bad_rewards counts the NaN/inf rewards, whose groups rollout.on_bad_reward = "skip"
-    gave zero advantages.
+    time/rollout is the slowest rank's `seconds` (the step waits for it); tokens_per_second
+    counts the generated tokens of all ranks over the slowest rank's generation_seconds (when
+    generation ran in the background; else over time/rollout). reward/* are over the finite
+    rewards; rollout/bad_rewards counts the NaN/inf rewards, whose groups
+    rollout.on_bad_reward = "skip" gave zero advantages.
     """
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     finite = torch.isfinite(rewards)
@@ -243,17 +442,18 @@ def rollout_metrics(
         device=device,
     )
     sums = all_reduce_sum(sums, distributed)
-    wall = torch.tensor([seconds], dtype=torch.float64, device=device)
+    generating = seconds if generation_seconds is None else generation_seconds
+    wall = torch.tensor([seconds, generating], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     scored, reward_sum, reward_sq, tokens, truncated, count, bad = sums.tolist()
-    seconds = float(wall)
+    seconds, generating = wall.tolist()
     rewards_of = reward_metrics(scored, reward_sum, reward_sq) if scored else {}
     return {
         "reward/mean": rewards_of.get("reward/mean", math.nan),
         "reward/std": rewards_of.get("reward/std", math.nan),
         "time/rollout": seconds,
-        "rollout/tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+        "rollout/tokens_per_second": tokens / generating if generating > 0 else 0.0,
         "rollout/completion_len/mean": tokens / count,
         "rollout/truncated_fraction": truncated / count,
         "rollout/bad_rewards": bad,

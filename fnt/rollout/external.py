@@ -2,7 +2,9 @@
 Side effects: reads {output_dir}/rollouts/, writes {output_dir}/weights/, collectives.
 
 The file format is documented in docs/external_rollouts.md. In short: for step N the trainer
-waits for `rollouts/step_N/COMPLETE`, reads `rollouts/step_N/samples.jsonl` (every rank reads
+waits for `rollouts/step_N/COMPLETE` (sampled, says `rollouts/step_N/policy_step` if present,
+by weights/step_P with P >= N - 1 - rollout.async_level; older ones are never used, the trainer
+waits for them to be replaced), reads `rollouts/step_N/samples.jsonl` (every rank reads
 the whole file and takes its contiguous share), trains, then publishes the policy as a Hugging
 Face directory `weights/step_N/`, marked complete by a `COMPLETE` file written after everything
 else and the rename from `step_N.partial`. The starting policy is published as
@@ -28,7 +30,7 @@ from fnt.errors import DataError
 from fnt.parallel import rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
-from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.setup import Runtime
 from fnt.state import TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
@@ -37,6 +39,7 @@ from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
 ROLLOUTS_DIR = "rollouts"
 WEIGHTS_DIR = "weights"
 SAMPLES_FILE = "samples.jsonl"
+POLICY_STEP_FILE = "policy_step"
 POLL_SECONDS = 0.05
 
 
@@ -65,6 +68,46 @@ def wait_for_rollouts(path: Path, timeout_s: float) -> float:
             )
         time.sleep(POLL_SECONDS)
     return time.perf_counter() - started
+
+
+def read_policy_step(path: Path) -> Optional[int]:
+    """The policy step in `path/policy_step` (the weights/step_P that sampled the rollouts), or
+    None when the orchestrator wrote no such file; DataError when it is not an integer >= 0."""
+    file = path / POLICY_STEP_FILE
+    if not file.is_file():
+        return None
+    text = file.read_text().strip()
+    if not text.isdigit():
+        raise DataError(f"{file}: expected the policy step, an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def wait_for_fresh_rollouts(path: Path, step: int, async_level: int, timeout_s: float) -> int:
+    """Block until `path` is complete and sampled by a policy no older than step - 1 - k; its
+    policy step (step - 1 when the directory says none). Older rollouts are never used: the
+    trainer waits for the orchestrator to replace them, up to timeout_s (RolloutTimeout)."""
+    started = time.perf_counter()
+    oldest = step - 1 - async_level
+    while True:
+        wait_for_rollouts(path, max(timeout_s - (time.perf_counter() - started), 0.0))
+        policy_step = read_policy_step(path)
+        if policy_step is None:
+            return step - 1
+        if policy_step > step - 1:
+            raise DataError(
+                f"{path / POLICY_STEP_FILE}: policy step {policy_step}, but the rollouts of "
+                f"update {step} can come at the newest from weights/step_{step - 1}"
+            )
+        if policy_step >= oldest:
+            return policy_step
+        if time.perf_counter() - started > timeout_s:
+            raise RolloutTimeout(
+                f"{path} holds rollouts of policy step {policy_step}, older than the "
+                f"{oldest} that rollout.async_level = {async_level} allows for update {step}; "
+                f"waited {timeout_s:.0f} s for fresher ones: replace them, or raise "
+                "rollout.async_level"
+            )
+        time.sleep(POLL_SECONDS)
 
 
 def _int_list(value: Any, key: str, where: str) -> list[int]:
@@ -227,11 +270,23 @@ class ExternalRollouts:
         """This rank's RL batch for update state.progress.step + 1 (blocks until it exists)."""
         config, runtime = self.config, self.runtime
         dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-        path = rollout_dir(config.output_dir, state.progress.step + 1)
+        step = state.progress.step + 1
+        path = rollout_dir(config.output_dir, step)
         started = time.perf_counter()
-        wait_for_rollouts(path, config.rollout.timeout_s)
+        policy_step = wait_for_fresh_rollouts(
+            path, step, config.rollout.async_level, config.rollout.timeout_s
+        )
         samples, temperature, has_logprobs, refs = read_rollouts(path)
         mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
+        # Every rank reads every sample, so all know the most micro-batches any share needs.
+        count = max(
+            micro_batch_count(
+                [s.length for s in rank_samples(samples, r, dp_size, path / SAMPLES_FILE)],
+                seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size,
+            )
+            for r in range(dp_size)
+        )
 
         def pack(share):
             return pack_rollouts(
@@ -241,6 +296,7 @@ class ExternalRollouts:
                 micro_batch_size=config.micro_batch_size,
                 temperature=temperature,
                 pad_token_id=self.pad_token_id,
+                num_micro_batches=count,
             )
 
         micro_batches = pack(mine)
@@ -261,7 +317,10 @@ class ExternalRollouts:
             micro_batches=micro_batches,
             num_samples=len(mine),
             data_after=DataPosition(epoch=0, cursor=state.progress.data.cursor + len(samples)),
-            metrics=external_metrics(samples, time.perf_counter() - started),
+            metrics={
+                **external_metrics(samples, time.perf_counter() - started),
+                "rollout/staleness": float(step - 1 - policy_step),
+            },
         )
 
 

@@ -1,20 +1,29 @@
 """Sampling completions from a causal LM with a KV cache. Side effects: forward passes of the
 given model under torch.no_grad() (its weights and mode are left as they are) and draws from the
-given torch.Generator.
+given torch.Generators.
 
-All completions of one prompt decode together as one batch: the prompt is run once, its KV cache
-is repeated for each completion, and every new token is one forward pass of the still-running
-completions. The completions share the prompt, so no padding is needed; a completion that emits
-eos leaves the batch (its cache rows are dropped).
+All completions of all prompts decode together as one batch. The prompts are left-padded to the
+longest one and run once, with an attention mask that hides the padding and position ids that
+start at 0 at each prompt's first real token; the KV cache is then repeated for each prompt's
+completions, and every new token is one forward pass of the still-running completions. A
+completion that emits a stop token leaves the batch (its cache rows are dropped).
+
+Sampling stays a function of each prompt's own generator: the token of a row is
+argmax(p / q) over the vocabulary, q ~ Exp(1) drawn from its prompt's generator for that
+prompt's running rows (the exponential race, which samples from p exactly; it is the draw
+torch.multinomial makes for one sample per row). A prompt's draws therefore do not depend on
+which other prompts share the batch, and neither do its samples, up to the last float bits in
+which a padded batched forward may differ from a forward of the prompt alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -25,11 +34,11 @@ class Completion:
     """One sampled continuation of a prompt."""
 
     token_ids: tuple[int, ...]
-    """The generated tokens; the last one is eos when `stopped`."""
+    """The generated tokens; the last one is a stop token when `stopped`."""
     logprobs: tuple[float, ...]
     """Per generated token, log-softmax(logits / temperature) at that token, computed in float32."""
     stopped: bool
-    """True when the model emitted eos, False when max_new_tokens cut it off."""
+    """True when the model emitted a stop token, False when max_new_tokens cut it off."""
 
 
 def sampling_seed(seed: int, step: int, slot: int) -> int:
@@ -50,9 +59,13 @@ def _cache_keyword(model_class: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _last_logits(model: nn.Module, input_ids: Tensor, kv_cache) -> Tensor:
+def _last_logits(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, kv_cache
+) -> Tensor:
     out = model(
         input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
         use_cache=True,
         logits_to_keep=1,
         **{_cache_keyword(type(model)): kv_cache},
@@ -60,22 +73,57 @@ def _last_logits(model: nn.Module, input_ids: Tensor, kv_cache) -> Tensor:
     return out.logits[:, -1].float()
 
 
+def left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The prompts left-padded to the longest: input ids, attention mask (1 on real tokens) and
+    position ids (0 at each prompt's first real token, 0 on the padding), all [P, W] int64."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.int64)
+        mask[row, width - len(prompt) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def exponential_race(
+    logp: Tensor, row_prompt: Tensor, generators: Sequence[Optional[torch.Generator]]
+) -> Tensor:
+    """One token per row sampled from softmax = exp(logp) [R, V]: argmax(p / q), q ~ Exp(1).
+
+    `row_prompt` [R] (ascending) says whose generator draws each row's q: every prompt draws
+    its running rows' noise in one call, as torch.multinomial would for that prompt alone.
+    """
+    counts = torch.bincount(row_prompt, minlength=len(generators)).tolist()
+    noise = [
+        torch.empty((n, logp.shape[-1]), dtype=logp.dtype, device=logp.device).exponential_(
+            1.0, generator=generators[p]
+        )
+        for p, n in enumerate(counts)
+        if n
+    ]
+    return (logp.exp() / torch.cat(noise)).argmax(dim=-1)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
-    prompt_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     *,
     num_samples: int,
     max_new_tokens: int,
-    eos_token_id: int,
+    stop_token_ids: Collection[int],
     temperature: float = 1.0,
     greedy: bool = False,
-    generator: torch.Generator | None = None,
-) -> list[Completion]:
-    """`num_samples` completions of one prompt, each ending at eos or after max_new_tokens.
+    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+) -> list[list[Completion]]:
+    """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens.
 
-    Sampling draws from softmax(logits / temperature) with `generator` (on the model's device);
-    `greedy` takes the most likely token instead (and draws nothing). The recorded logprobs are
+    Sampling draws from softmax(logits / temperature), prompt i's rows with `generators[i]` (on
+    the model's device; None, or a None entry, draws from torch's default generator); `greedy`
+    takes the most likely token instead (and draws nothing). The recorded logprobs are
     log-softmax(logits / temperature) either way. Put the model in eval mode first.
     """
     if num_samples < 1 or max_new_tokens < 1:
@@ -84,38 +132,56 @@ def generate(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
+    if not prompts or not all(prompts):
+        raise ValueError("no prompts, or an empty prompt")
+    if not stop_token_ids:
+        raise ValueError("stop_token_ids is empty: generation needs a token to stop at")
+    if generators is None:
+        generators = [None] * len(prompts)
+    if len(generators) != len(prompts):
+        raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts")
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
+    stops = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=device)
+    pad_id = int(stops[0])  # hidden by the attention mask, so any valid id will do
+    ids, attention, positions = left_padded(prompts, pad_id, device)
     kv_cache = DynamicCache(config=model.config)
-    logits = _last_logits(model, torch.tensor([list(prompt_ids)], device=device), kv_cache)
+    logits = _last_logits(model, ids, attention, positions, kv_cache)
     kv_cache.batch_repeat_interleave(num_samples)
-    logits = logits.expand(num_samples, -1)
+    logits = logits.repeat_interleave(num_samples, dim=0)
+    attention = attention.repeat_interleave(num_samples, dim=0)
+    next_position = positions[:, -1:].repeat_interleave(num_samples, dim=0) + 1
 
-    tokens: list[list[int]] = [[] for _ in range(num_samples)]
-    logprobs: list[list[float]] = [[] for _ in range(num_samples)]
-    running = torch.arange(num_samples, device=device)  # which completion each batch row is
+    rows = len(prompts) * num_samples
+    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.int64, device=device)
+    logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.int64, device=device)
+    running = torch.arange(rows, device=device)  # which completion each batch row is
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if greedy:
             chosen = logp.argmax(dim=-1)
         else:
-            chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
-        for row, token, lp in zip(running.tolist(), chosen.tolist(), chosen_logp.tolist()):
-            tokens[row].append(token)
-            logprobs[row].append(lp)
-        going = chosen != eos_token_id
-        if t + 1 == max_new_tokens or not bool(going.any()):
+            chosen = exponential_race(logp, running // num_samples, generators)
+        tokens[running, t] = chosen
+        logprobs[running, t] = logp.gather(-1, chosen[:, None]).squeeze(-1)
+        stopped = torch.isin(chosen, stops)
+        lengths[running[stopped]] = t + 1
+        if t + 1 == max_new_tokens or bool(stopped.all()):
             break
-        if not bool(going.all()):
-            keep = going.nonzero().squeeze(-1)
+        if bool(stopped.any()):
+            keep = (~stopped).nonzero().squeeze(-1)
             kv_cache.batch_select_indices(keep)
             running, chosen = running[keep], chosen[keep]
-        logits = _last_logits(model, chosen[:, None], kv_cache)
-    return [
-        Completion(tuple(ids), tuple(lps), stopped=ids[-1] == eos_token_id)
-        for ids, lps in zip(tokens, logprobs)
+            attention, next_position = attention[keep], next_position[keep]
+        attention = torch.cat([attention, attention.new_ones((len(running), 1))], dim=1)
+        logits = _last_logits(model, chosen[:, None], attention, next_position, kv_cache)
+        next_position = next_position + 1
+
+    stop_set = set(stops.tolist())
+    completions = [
+        Completion(tuple(ids[:n]), tuple(lps[:n]), stopped=ids[n - 1] in stop_set)
+        for ids, lps, n in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist())
     ]
+    return [completions[i : i + num_samples] for i in range(0, rows, num_samples)]

@@ -1,9 +1,21 @@
 """Pack scored rollouts into RL micro-batches. Pure: no side effects.
 
-Each completion is one document: its prompt tokens followed by its completion tokens. Documents
-go into a fixed number of rows of seq_len tokens, greedy first-fit in order (each into the first
-row with room). The rest of every row is one padding document without loss (fnt.data.packing's
-convention, so attention never mixes padding with samples).
+Each completion is one document: its prompt tokens followed by its completion tokens. The rest
+of every row is one padding document without loss (fnt.data.packing's convention, so attention
+never mixes padding with samples).
+
+Capacity: a rank's samples must fit, first-fit in order, into its batch_size // dp rows of
+seq_len tokens (`first_fit`); that is what batch_size promises, and what the errors point at.
+
+Layout (`plan_micro_batches`): the rows are shaped to the samples, not to seq_len. Samples are
+taken longest first; a micro-batch's rows are as long as its first (longest) sample, rounded up
+to a multiple of ROW_MULTIPLE (at most seq_len), and it has as many rows as fit its token budget
+of micro_batch_size * seq_len tokens, each filled first-fit with the next samples in that order.
+So a micro-batch holds samples of similar lengths, the padding is small, and the attention cost,
+which grows with the square of the row length, follows the sum of the squared sample lengths
+rather than seq_len squared. `fixed_layout` is the layout of rows of seq_len in sample order
+(the one before); loss and gradients are the same with either (documents never attend across
+each other, fnt.attention), up to the order of float sums.
 
 Per-token values, aligned with input_ids (the value at t belongs to token t):
 - loss_mask: True on the completion tokens, the ones the policy sampled;
@@ -23,6 +35,18 @@ import torch
 from fnt.batch import RLMicroBatch
 from fnt.data.packing import pack_rows
 from fnt.rollout.generate import Completion
+
+ROW_MULTIPLE = 8
+"""Fitted rows are a multiple of this many tokens long, so few distinct shapes occur."""
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Which samples go into each row of one micro-batch, and how long its rows are."""
+
+    row_len: int
+    rows: tuple[tuple[int, ...], ...]
+    """Per row, the indices of its samples, packed in this order."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,61 @@ def first_fit(
     return tuple(tuple(row) for row in rows)
 
 
+def plan_micro_batches(
+    lengths: Sequence[int], *, seq_len: int, micro_batch_size: int
+) -> tuple[MicroBatchPlan, ...]:
+    """The fitted layout of the module docstring; at least one micro-batch (all padding when
+    there are no samples). Every length must be <= seq_len."""
+    budget = micro_batch_size * seq_len
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep order
+    plans: list[MicroBatchPlan] = []
+    i = 0
+    while i < len(order):
+        row_len = min(seq_len, -(-lengths[order[i]] // ROW_MULTIPLE) * ROW_MULTIPLE)
+        rows: list[list[int]] = [[] for _ in range(max(1, budget // row_len))]
+        room = [row_len] * len(rows)
+        while i < len(order):
+            length = lengths[order[i]]
+            row = next((r for r in range(len(rows)) if room[r] >= length), None)
+            if row is None:
+                break
+            rows[row].append(order[i])
+            room[row] -= length
+            i += 1
+        plans.append(MicroBatchPlan(row_len, tuple(tuple(r) for r in rows if r)))
+    return tuple(plans) or (empty_plan(),)
+
+
+def micro_batch_count(lengths: Sequence[int], *, seq_len: int, micro_batch_size: int) -> int:
+    """How many micro-batches the fitted layout of these sample lengths has."""
+    return len(plan_micro_batches(lengths, seq_len=seq_len, micro_batch_size=micro_batch_size))
+
+
+def fixed_layout(
+    lengths: Sequence[int], *, num_rows: int, seq_len: int, micro_batch_size: int
+) -> tuple[MicroBatchPlan, ...]:
+    """num_rows rows of seq_len tokens, filled first-fit in sample order, in micro-batches of
+    micro_batch_size rows (the layout before `plan_micro_batches`)."""
+    rows = first_fit(lengths, num_rows=num_rows, seq_len=seq_len)
+    return tuple(
+        MicroBatchPlan(seq_len, rows[start : start + micro_batch_size])
+        for start in range(0, num_rows, micro_batch_size)
+    )
+
+
+def empty_plan() -> MicroBatchPlan:
+    """One row of ROW_MULTIPLE padding tokens: a micro-batch that carries no loss."""
+    return MicroBatchPlan(ROW_MULTIPLE, ((),))
+
+
+def pad_plans(
+    plans: Sequence[MicroBatchPlan], num_micro_batches: int
+) -> tuple[MicroBatchPlan, ...]:
+    """`plans` followed by all-padding micro-batches up to num_micro_batches (every rank must
+    run the same number of forward/backward passes under FSDP2, see fnt.update)."""
+    return (*plans, *[empty_plan()] * (num_micro_batches - len(plans)))
+
+
 def pack_rollouts(
     samples: Sequence[RolloutSample],
     *,
@@ -72,23 +151,34 @@ def pack_rollouts(
     micro_batch_size: int,
     temperature: float,
     pad_token_id: int,
+    num_micro_batches: int = 1,
+    fitted: bool = True,
 ) -> tuple[RLMicroBatch, ...]:
-    """Exactly num_rows rows of seq_len tokens, in micro-batches of micro_batch_size rows."""
+    """This rank's micro-batches: the fitted layout (or with `fitted=False` the fixed one), at
+    least num_micro_batches of them. The samples must fit num_rows rows of seq_len (`first_fit`).
+    """
     if num_rows < 1 or micro_batch_size < 1 or num_rows % micro_batch_size:
         raise ValueError(
             f"{num_rows} rows per rank do not split into micro-batches of {micro_batch_size} rows"
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    rows = first_fit([s.length for s in samples], num_rows=num_rows, seq_len=seq_len)
+    lengths = [s.length for s in samples]
+    first_fit(lengths, num_rows=num_rows, seq_len=seq_len)  # the capacity check
+    if fitted:
+        plans = plan_micro_batches(lengths, seq_len=seq_len, micro_batch_size=micro_batch_size)
+    else:
+        plans = fixed_layout(
+            lengths, num_rows=num_rows, seq_len=seq_len, micro_batch_size=micro_batch_size
+        )
     return tuple(
         _micro_batch(
-            [[samples[i] for i in row] for row in rows[start : start + micro_batch_size]],
-            seq_len=seq_len,
+            [[samples[i] for i in row] for row in plan.rows],
+            seq_len=plan.row_len,
             temperature=temperature,
             pad_token_id=pad_token_id,
         )
-        for start in range(0, num_rows, micro_batch_size)
+        for plan in pad_plans(plans, num_micro_batches)
     )
 
 

@@ -51,14 +51,14 @@ def main() -> None:
         )
         gen = torch.Generator().manual_seed(step)
         with torch.no_grad():
-            completions = generate(
+            (completions,) = generate(
                 model,
-                prompt,
+                [prompt],
                 num_samples=args.samples,
                 max_new_tokens=8,
-                eos_token_id=tok.eos_token_id,
+                stop_token_ids={tok.eos_token_id},
                 temperature=1.0,
-                generator=gen,
+                generators=[gen],
             )
         rewards = [float(sum(c.token_ids) % 5) for c in completions]  # varies, so advantages do
         mean = sum(rewards) / len(rewards)

@@ -82,6 +82,27 @@ def rl_config(model_dir, prompts, **rollout) -> RLConfig:
     )
 
 
+def one_process_runtime():
+    """The Runtime of a plain one-process CPU run, without setup_trainer's side effects."""
+    from fnt.config import ParallelConfig
+    from fnt.optim.setup import NO_OFFLOAD
+    from fnt.parallel import plan_parallel_dims
+    from fnt.setup import Runtime
+
+    return Runtime(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        device=torch.device("cpu"),
+        distributed=False,
+        dims=plan_parallel_dims(ParallelConfig(), 1, 1),
+        mesh=None,
+        num_threads=torch.get_num_threads(),
+        offload=NO_OFFLOAD,
+    )
+
+
 def rl_state(config: RLConfig):
     return init_state(config, setup_trainer(config))
 

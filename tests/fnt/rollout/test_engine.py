@@ -20,10 +20,11 @@ from fnt.rollout import (
     Prompt,
     RolloutSample,
     load_prompts,
-    rollout_group,
+    rollout_groups,
     rollout_metrics,
     score,
 )
+from fnt.rollout.pack import ROW_MULTIPLE
 from fnt.setup import setup_trainer
 from fnt.sources import rl_source
 from fnt.state import Progress, StaleStateError
@@ -117,9 +118,13 @@ def test_rl_source_gives_scored_packed_rollouts_step_after_step(
     for batch, after in ((first, DataPosition(0, 4)), (second, DataPosition(0, 8))):
         batch.check()
         assert batch.data_after == after
-        assert len(batch.micro_batches) == 4 and all(
-            mb.rows.input_ids.shape == (2, 128) for mb in batch.micro_batches
-        )
+        # Rows fit the samples: as long as a micro-batch's longest sample, rounded up, within
+        # the token budget of micro_batch_size rows of seq_len.
+        for mb in batch.micro_batches:
+            rows, row_len = mb.rows.input_ids.shape
+            longest = max(max(lengths, default=0) for lengths in mb.sample_lengths)
+            assert row_len == -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE < 128
+            assert rows * row_len <= 2 * 128
         assert (
             batch.num_samples
             == 16
@@ -131,7 +136,7 @@ def test_rl_source_gives_scored_packed_rollouts_step_after_step(
         loss_tokens = sum(int(mb.rows.loss_mask.sum()) for mb in batch.micro_batches)
         assert batch.metrics["rollout/completion_len/mean"] == loss_tokens / 16
         assert batch.metrics["time/rollout"] > 0 and batch.metrics["rollout/tokens_per_second"] > 0
-        assert bool((torch.cat([mb.temperatures for mb in batch.micro_batches]) == 0.8).all())
+        assert all(bool((mb.temperatures == 0.8).all()) for mb in batch.micro_batches)
         # Rewards are scored on the completion text without special tokens; advantages per group.
         docs = completions_with_answers(batch, prompts, tokenizer)
         rewards = [similarity(text, record) for text, record, _ in docs]
@@ -231,16 +236,23 @@ def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, pr
         return float("nan") if sample["id"] == 1 else float(sum(map(ord, text)) % 7)
 
     rollout = rl_config(eval_model, prompts_file, reward="test_reward").rollout
-    generator = torch.Generator().manual_seed(0)
+
+    def groups(chosen, config):
+        generators = [torch.Generator().manual_seed(0) for _ in chosen]
+        stops = {tokenizer.eos_token_id}
+        return rollout_groups(
+            eval_model, chosen, tokenizer, reward, config, generators, stop_token_ids=stops
+        )
+
     with pytest.raises(
         ValueError, match=r"'test_reward' returned nan on .* line 2 .*on_bad_reward"
     ):
-        rollout_group(eval_model, prompts[1], tokenizer, reward, rollout, generator)
+        groups([prompts[1]], rollout)
     skip = dataclasses.replace(rollout, on_bad_reward="skip")
-    skipped = rollout_group(eval_model, prompts[1], tokenizer, reward, skip, generator)
+    skipped = groups([prompts[1]], skip)
     assert len(skipped) == rollout.group_size
     assert all(s.advantage == 0.0 and math.isnan(s.reward) for s in skipped)
-    kept = rollout_group(eval_model, prompts[0], tokenizer, reward, skip, generator)
+    kept = groups([prompts[0]], skip)
     assert any(s.advantage != 0.0 for s in kept)
 
 

@@ -1,4 +1,5 @@
-"""generate: reproducible sampling, recorded logprobs, eos handling, and KV cache == no cache."""
+"""generate: reproducible sampling, recorded logprobs, stop tokens, KV cache == no cache, and a
+batch of prompts == each prompt alone."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def prompt(tokenizer, text: str) -> list[int]:
 
 def sample(model, ids, seed_triple, **kw):
     generator = torch.Generator().manual_seed(sampling_seed(*seed_triple))
-    kw = {"num_samples": 6, "max_new_tokens": 12, "eos_token_id": EOS, "temperature": 1.0, **kw}
-    return generate(model, ids, generator=generator, **kw)
+    kw = {"num_samples": 6, "max_new_tokens": 12, "stop_token_ids": {EOS}, "temperature": 1.0, **kw}
+    (completions,) = generate(model, [ids], generators=[generator], **kw)
+    return completions
 
 
 def test_the_same_seed_step_and_slot_give_the_same_completions(eval_model, tokenizer):
@@ -77,28 +79,27 @@ def greedy_without_cache(model, ids: list[int], max_new_tokens: int) -> list[int
 @pytest.mark.parametrize("text", ["ab", "olleh", "falcon", "xyz"])
 def test_greedy_decoding_with_the_kv_cache_equals_decoding_without_it(eval_model, tokenizer, text):
     ids = prompt(tokenizer, text)
-    completions = generate(
-        eval_model, ids, num_samples=2, max_new_tokens=12, eos_token_id=EOS, greedy=True
+    (completions,) = generate(
+        eval_model, [ids], num_samples=2, max_new_tokens=12, stop_token_ids={EOS}, greedy=True
     )
     reference = greedy_without_cache(eval_model, ids, 12)
     assert [list(c.token_ids) for c in completions] == [reference, reference]
 
 
-def test_greedy_decoding_stops_early_on_some_prompts(eval_model, tokenizer):
-    lengths = {
-        len(
-            generate(
-                eval_model,
-                prompt(tokenizer, t),
-                num_samples=1,
-                max_new_tokens=12,
-                eos_token_id=EOS,
-                greedy=True,
-            )[0].token_ids
-        )
-        for t in ["ab", "olleh", "falcon", "xyz", "cat", "dove"]
-    }
-    assert min(lengths) < 12
+def test_greedy_decoding_of_a_batch_stops_early_on_some_prompts(eval_model, tokenizer):
+    texts = ["ab", "olleh", "falcon", "xyz", "cat", "dove"]
+    groups = generate(
+        eval_model,
+        [prompt(tokenizer, t) for t in texts],
+        num_samples=1,
+        max_new_tokens=12,
+        stop_token_ids={EOS},
+        greedy=True,
+    )
+    assert min(len(c.token_ids) for (c,) in groups) < 12
+    # Each prompt of the batch decodes as it does alone (and, above, as without the cache).
+    for text, (c,) in zip(texts, groups):
+        assert list(c.token_ids) == greedy_without_cache(eval_model, prompt(tokenizer, text), 12)
 
 
 @pytest.mark.parametrize(
@@ -107,13 +108,21 @@ def test_greedy_decoding_stops_early_on_some_prompts(eval_model, tokenizer):
         ({"temperature": 0.0}, "temperature"),
         ({"num_samples": 0}, "num_samples"),
         ({"max_new_tokens": 0}, "max_new"),
+        ({"stop_token_ids": set()}, "stop_token_ids"),
+        ({"prompts": []}, "no prompts"),
+        ({"prompts": [[1], []]}, "empty prompt"),
+        ({"generators": [None]}, "1 generators for 2 prompts"),
     ],
 )
 def test_bad_arguments_are_rejected(eval_model, kw, message):
+    args = {
+        "prompts": [[1, 2], [3]],
+        "num_samples": 1,
+        "max_new_tokens": 4,
+        "stop_token_ids": {EOS},
+    }
     with pytest.raises(ValueError, match=message):
-        generate(
-            eval_model, [1, 2], **{"num_samples": 1, "max_new_tokens": 4, "eos_token_id": EOS, **kw}
-        )
+        generate(eval_model, **{**args, **kw})
 
 
 def test_sampling_seeds_differ_by_seed_step_and_slot():
@@ -121,3 +130,53 @@ def test_sampling_seeds_differ_by_seed_step_and_slot():
         sampling_seed(s, step, slot) for s in range(3) for step in range(3) for slot in range(3)
     }
     assert len(seeds) == 27 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_a_batch_of_prompts_samples_what_each_prompt_samples_alone(eval_model, tokenizer):
+    # Prompts of different lengths: the batch left-pads all but the longest.
+    texts = ["ab", "olleh", "falcon", "xyz", "kiwi"]
+    ids = [prompt(tokenizer, t) for t in texts]
+    assert len({len(i) for i in ids}) > 1
+    seeds = [(4, 2, slot) for slot in range(len(texts))]
+    generators = [torch.Generator().manual_seed(sampling_seed(*s)) for s in seeds]
+    batched = generate(
+        eval_model,
+        ids,
+        num_samples=6,
+        max_new_tokens=12,
+        stop_token_ids={EOS},
+        temperature=1.0,
+        generators=generators,
+    )
+    lengths = set()
+    for prompt_ids, seed, group in zip(ids, seeds, batched):
+        alone = sample(eval_model, prompt_ids, seed)
+        assert [c.token_ids for c in group] == [c.token_ids for c in alone]
+        assert [c.stopped for c in group] == [c.stopped for c in alone]
+        for b, a in zip(group, alone):
+            lengths.add(len(b.token_ids))
+            # A padded batched forward may differ from one of the prompt alone in the last bits.
+            torch.testing.assert_close(
+                torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5
+            )
+    assert len(lengths) > 1  # rows of different prompts left the batch at different steps
+
+
+def test_every_stop_token_ends_a_completion(eval_model, tokenizer):
+    ids = prompt(tokenizer, "olleh")
+    (free,) = generate(
+        eval_model, [ids], num_samples=1, max_new_tokens=12, stop_token_ids={EOS}, greedy=True
+    )
+    (completion,) = free
+    # Stop also at the greedy answer's third token (not eos): the answer ends right there.
+    third = completion.token_ids[2]
+    assert third not in completion.token_ids[:2] and third != EOS
+    ((stopped,),) = generate(
+        eval_model,
+        [ids],
+        num_samples=1,
+        max_new_tokens=12,
+        stop_token_ids={EOS, third},
+        greedy=True,
+    )
+    assert stopped.token_ids == completion.token_ids[:3] and stopped.stopped

@@ -1,0 +1,259 @@
+"""Benchmark fnt's RL step against a bare GRPO loop doing the same work, side by side in one run.
+
+Side effects: writes the demo's base model and data under --work (unless --model and --prompts
+name existing ones), loads two copies of the model, trains both for --steps steps, prints a
+table and, as its last line, one JSON object.
+
+Both sides get the reverse-text demo's model, prompts and step shape (examples/reverse_text/
+rl.toml: 24 prompts x 8 samples, temperature 0.5, at most 12 new tokens, one torch thread) and
+the same prompts at every step (fnt's prompt order):
+
+    fnt   rl_source(state) (the in-process engine: sync the inference copy, generate, score,
+          pack), then steps.rl_step (forward/backward over the packed rows, AdamW), and the
+          driver's one host sync of the metrics (fnt.metrics.to_floats)
+    bare  HF `model.generate` on all 192 sequences at once with the KV cache (left padding,
+          top_k 0 so it samples the full softmax like fnt), the same similarity reward, group
+          advantages (mean-centred, divided by the group std), one forward/backward of the
+          padded sequences with the REINFORCE surrogate -A * exp(logp - stopgrad(logp)) over the
+          completion tokens, gradient clipping at optim.max_norm, torch AdamW
+
+Times are the median over the steps after --warmup warm-up steps; the two sides alternate step
+by step so that machine noise hits both alike. `--async-level K` runs fnt with
+rollout.async_level = K (rollouts of the next step generated while this one trains).
+
+    python scripts/bench_rl.py [--steps 12] [--warmup 2] [--model DIR --prompts FILE] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "examples" / "reverse_text"
+
+
+def demo_inputs(work: Path) -> tuple[Path, Path]:
+    """The demo's base model and RL prompts, written under `work` as `make demo` writes them."""
+    sys.path.insert(0, str(DEMO))
+    from demo import TINY_MODEL
+
+    model, data = work / "reverse-model", work / "reverse-data"
+    if not (model / "config.json").is_file():
+        subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), "--out", str(model)]
+            + TINY_MODEL,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    if not (data / "rl.jsonl").is_file():
+        subprocess.run(
+            [sys.executable, str(DEMO / "make_data.py"), "--out", str(data)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    return model, data / "rl.jsonl"
+
+
+def fnt_config(model: Path, prompts: Path, out: Path, async_level: int):
+    from fnt.config import RLConfig, load_config
+
+    argv = [
+        "--config",
+        str(DEMO / "rl.toml"),
+        f"--model.name={model}",
+        f"--rollout.prompts={prompts}",
+        f"--output_dir={out}",
+    ]
+    if async_level:
+        argv.append(f"--rollout.async_level={async_level}")
+    config, _ = load_config(argv, RLConfig)
+    return config
+
+
+class Bare:
+    """The bare GRPO loop on its own copy of the model."""
+
+    def __init__(self, config, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from fnt.rewards import reward_function
+        from fnt.tokenizer import load_tokenizer
+
+        self.config, self.rollout = config, config.rollout
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        self.tokenizer = load_tokenizer(str(model_dir))
+        self.reward_fn = reward_function(self.rollout.reward)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    def step(self, prompts, seed: int) -> tuple[float, float, float]:
+        """One GRPO step on `prompts`; (rollout seconds, update seconds, mean reward)."""
+        rollout, tok = self.rollout, self.tokenizer
+        group = rollout.group_size
+        started = time.perf_counter()
+        width = max(len(p.token_ids) for p in prompts)
+        pad = tok.pad_token_id
+        ids = torch.tensor(
+            [[pad] * (width - len(p.token_ids)) + list(p.token_ids) for p in prompts]
+        )
+        attention = torch.tensor(
+            [[0] * (width - len(p.token_ids)) + [1] * len(p.token_ids) for p in prompts]
+        )
+        torch.manual_seed(seed)
+        sequences = self.model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=True,
+            temperature=rollout.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=rollout.max_new_tokens,
+            num_return_sequences=group,
+            pad_token_id=pad,
+            eos_token_id=tok.eos_token_id,
+        )
+        completions = sequences[:, width:]
+        # Tokens after the first eos are generate's padding: not part of the completion.
+        after_eos = (completions == tok.eos_token_id).int().cumsum(-1) - (
+            completions == tok.eos_token_id
+        ).int()
+        completion_mask = after_eos == 0
+        texts = tok.batch_decode(
+            completions.masked_fill(~completion_mask, pad), skip_special_tokens=True
+        )
+        records = [p.record for p in prompts for _ in range(group)]
+        rewards = torch.tensor(
+            [self.reward_fn(t, r) for t, r in zip(texts, records)], dtype=torch.float32
+        ).view(-1, group)
+        advantages = (rewards - rewards.mean(1, keepdim=True)) / (
+            rewards.std(1, unbiased=False, keepdim=True) + 1e-6
+        )
+        rolled = time.perf_counter()
+
+        attention = torch.cat([attention.repeat_interleave(group, 0), completion_mask.long()], 1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(
+            input_ids=sequences, attention_mask=attention, position_ids=positions
+        ).logits[:, width - 1 : -1]
+        logp = torch.log_softmax(logits.float() / rollout.temperature, -1)
+        logp = logp.gather(-1, completions[..., None]).squeeze(-1)
+        surrogate = -(advantages.reshape(-1, 1) * torch.exp(logp - logp.detach()))
+        loss = (surrogate * completion_mask).sum() / completion_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return rolled - started, time.perf_counter() - rolled, float(rewards.mean())
+
+
+def fnt_step(state, rl_source, rl_step, to_floats):
+    """One fnt RL step as the driver runs it; (next state, rollout s, update s, mean reward)."""
+    started = time.perf_counter()
+    batch = rl_source(state)
+    rolled = time.perf_counter()
+    state, metrics = rl_step(state, batch)
+    row = to_floats(metrics)
+    return state, rolled - started, time.perf_counter() - rolled, row
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12, help="measured steps per side")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--model", type=Path, help="model directory (default: the demo's base model)")
+    p.add_argument("--prompts", type=Path, help="prompts JSONL (default: the demo's RL prompts)")
+    p.add_argument("--work", type=Path, help="where the demo's model, data and run go")
+    p.add_argument("--async-level", type=int, default=0, help="fnt's rollout.async_level")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        model, prompts = demo_inputs(work)
+        model, prompts = args.model or model, args.prompts or prompts
+        from fnt import init_state, rl_source, setup_trainer, to_floats
+        from fnt.rollout.prompts import step_prompts
+        from steps import rl_step
+
+        config = fnt_config(model, prompts, work / "fnt-run", args.async_level)
+        runtime = setup_trainer(config)  # one torch thread, as the demo's runtime.num_threads
+        state = init_state(config, runtime)
+        engine = state.handles.rollouts
+        bare = Bare(config, model)
+
+        times = {k: [] for k in ("fnt_rollout", "fnt_update", "bare_rollout", "bare_update")}
+        staleness = []
+        rewards = {"fnt": [], "bare": []}
+        for i in range(args.warmup + args.steps):
+            # The same prompts for both: the ones fnt's engine takes for this step.
+            ids, _ = step_prompts(
+                engine.order, state.progress.data, config.rollout.prompts_per_step
+            )
+            step_prompts_ = [engine.prompts[j] for j in ids]
+            state, f_roll, f_upd, row = fnt_step(state, rl_source, rl_step, to_floats)
+            b_roll, b_upd, b_reward = bare.step(step_prompts_, seed=config.seed * 1000 + i)
+            rewards["fnt"].append(row["reward/mean"])
+            rewards["bare"].append(b_reward)
+            if "rollout/staleness" in row:
+                staleness.append(row["rollout/staleness"])
+            if i >= args.warmup:
+                for key, value in zip(times, (f_roll, f_upd, b_roll, b_upd)):
+                    times[key].append(value)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+    med = {k: median(v) for k, v in times.items()}
+    fnt_total = median([a + b for a, b in zip(times["fnt_rollout"], times["fnt_update"])])
+    bare_total = median([a + b for a, b in zip(times["bare_rollout"], times["bare_update"])])
+    rollout = config.rollout
+    print(
+        f"shape: {rollout.prompts_per_step} prompts x {rollout.group_size} samples, "
+        f"temperature {rollout.temperature}, {rollout.max_new_tokens} new tokens, "
+        f"{torch.get_num_threads()} thread(s), async_level {args.async_level}, "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
+    print(f"{'':6} {'step s':>8} {'rollout s':>10} {'update s':>9}")
+    print(f"{'fnt':6} {fnt_total:8.3f} {med['fnt_rollout']:10.3f} {med['fnt_update']:9.3f}")
+    print(f"{'bare':6} {bare_total:8.3f} {med['bare_rollout']:10.3f} {med['bare_update']:9.3f}")
+    ratio = fnt_total / bare_total
+    print(f"fnt / bare = {ratio:.3f}")
+    result = {
+        "fnt_step_s": fnt_total,
+        "bare_step_s": bare_total,
+        "ratio": ratio,
+        "fnt_rollout_s": med["fnt_rollout"],
+        "fnt_update_s": med["fnt_update"],
+        "bare_rollout_s": med["bare_rollout"],
+        "bare_update_s": med["bare_update"],
+        "fnt_reward_mean": statistics.fmean(rewards["fnt"]),
+        "bare_reward_mean": statistics.fmean(rewards["bare"]),
+        "async_level": args.async_level,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+    }
+    if staleness:
+        result["fnt_staleness_mean"] = statistics.fmean(staleness)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

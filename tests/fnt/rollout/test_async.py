@@ -1,0 +1,110 @@
+"""rollout.async_level: the rollouts of update n come from the policy after step n - 1 - k,
+generated in the background, and a resumed run samples exactly what an uninterrupted one does."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from fnt.loop import fold
+from fnt.monitors import read_metrics
+from fnt.rollout.engine import POLICY_DIR, InProcessEngine, rollout_policy_step
+from fnt.setup import setup_trainer
+from fnt.sources import rl_source
+from steps import rl_step
+from tests.e2e.helpers import (
+    assert_resumed_run_matches,
+    config_args,
+    copy_crashed_run,
+    run_script,
+)
+
+from .conftest import rl_config, rl_state
+from .test_engine import assert_same_batch
+
+STEPS = 4
+
+
+def test_rollout_policy_steps():
+    assert [rollout_policy_step(n, 0) for n in range(1, 5)] == [0, 1, 2, 3]
+    assert [rollout_policy_step(n, 1) for n in range(1, 5)] == [0, 0, 1, 2]
+    assert [rollout_policy_step(n, 2) for n in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
+    policy_dir, prompts_file, tmp_path
+):
+    on_policy = dataclasses.replace(rl_config(policy_dir, prompts_file), output_dir=str(tmp_path))
+    config = dataclasses.replace(
+        on_policy, rollout=dataclasses.replace(on_policy.rollout, async_level=1)
+    )
+    state = rl_state(config)
+    engine = state.handles.rollouts
+    batches, weights = [], [clone_weights(state.handles.model)]
+    states = []
+
+    def recording_source(state):
+        states.append(state.progress)
+        batch = rl_source(state)
+        batches.append(batch)
+        return batch
+
+    for state, _ in fold(state, recording_source, rl_step, 3):
+        weights.append(clone_weights(state.handles.model))
+    engine.close()
+    assert len({tuple(float(t.sum()) for t in w.values()) for w in weights}) == 4
+
+    reference = InProcessEngine(on_policy, setup_trainer(on_policy))
+    for n, (batch, progress) in enumerate(zip(batches, states), start=1):
+        policy_step = rollout_policy_step(n, 1)
+        reference.model.load_state_dict(weights[policy_step])
+        samples, after = reference.sample(reference.model, n, progress.data)
+        expected = reference.batch(samples, after, 0.0, staleness=n - 1 - policy_step)
+        assert_same_batch(batch, expected)
+        assert batch.metrics["rollout/staleness"] == min(n - 1, 1)
+    # Rank 0 kept the policies a resume could need (no checkpoints here: from step 0 - k on).
+    assert sorted(p.name for p in (tmp_path / POLICY_DIR).iterdir()) == [
+        "step_0",
+        "step_1",
+        "step_2",
+    ]
+
+
+def clone_weights(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+EXACT = ("reward/mean", "reward/std", "loss/mean", "optim/grad_norm", "rollout/staleness")
+
+
+@pytest.mark.parametrize(
+    "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
+def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
+    def args(out, *extra):
+        return config_args(
+            "examples/debug/rl.toml",
+            tiny_model_dir,
+            out,
+            "--max-steps",
+            str(STEPS),
+            "--rollout.async_level",
+            "1",
+            "--runtime.num-threads",
+            "1",
+            *extra,
+        )
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_script("rl.py", *args(full, "--ckpt.interval", "2"), nproc=nproc)
+    rows = read_metrics(full)
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    copy_crashed_run(full, resumed, 2)
+    # What a crash right after checkpoint step_2 leaves: the policies written before it; the
+    # resumed run's next rollouts (update 3) need the one after step 1.
+    shutil.copytree(full / POLICY_DIR / "step_1", resumed / POLICY_DIR / "step_1")
+    run_script("rl.py", *args(resumed, "--resume", "latest"), nproc=nproc)
+    assert_resumed_run_matches(full, resumed, 2, STEPS, EXACT, tmp_path)
