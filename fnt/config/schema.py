@@ -85,29 +85,57 @@ class ScheduleConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class DataSourceConfig:
-    """One JSONL source of SFT samples and its share of the mixture."""
+    """One source of SFT samples (a local file or directory, or a Hugging Face dataset) and its
+    share of the mixture."""
 
     path: str = ""
-    """Local JSONL file of prompt/completion or messages samples."""
+    """Local JSONL, .parquet or .arrow file, or a directory of .parquet and .arrow files."""
+    dataset: str = ""
+    """Instead of path: a Hugging Face dataset name, read with `datasets` (local cache first)."""
+    subset: str = ""
+    """The dataset's subset (configuration) name; empty for its default one."""
+    split: str = "train"
+    """The dataset's split."""
+    messages_column: str = "messages"
+    """Column (JSONL key) of the chat messages; empty if the source has none."""
+    prompt_column: str = "prompt"
+    """Column (JSONL key) of the prompt of prompt/completion samples; empty if none."""
+    completion_column: str = "completion"
+    """Column (JSONL key) of the completion of prompt/completion samples; empty if none."""
     weight: float = 1.0
     """Relative share of this source in the mixture."""
     name: str = ""
-    """Name used in metrics; empty means the file's stem."""
+    """Name used in metrics; empty means the file's stem or the dataset's name."""
 
 
 @dataclass_json
 @dataclass(frozen=True)
 class DataConfig:
-    """The SFT training data: synthetic, or JSONL sources mixed by weight."""
+    """The SFT training data: synthetic, or sources (files, datasets) mixed by weight."""
 
     kind: Literal["synthetic", "jsonl"] = "synthetic"
-    """synthetic: generated counting sequences (debugging); jsonl: the sources below."""
+    """synthetic: generated counting sequences (debugging); jsonl: the sources below (any kind)."""
     sources: tuple[DataSourceConfig, ...] = ()
-    """JSONL sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}]."""
+    """Sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}, {dataset = "org/name"}]."""
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     """What to do with a sample longer than seq_len."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (a pure function of seed and epoch)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ValConfig:
+    """Validation during training: the loss on held-out samples; in RL, greedy answers' reward."""
+
+    sources: tuple[DataSourceConfig, ...] = ()
+    """Held-out samples (same kinds as data.sources, weights unused) for val/loss."""
+    prompts: str = ""
+    """RL: JSONL prompts answered greedily and scored by rollout.reward, for val/reward/mean."""
+    interval: int = 0
+    """Evaluate after every step whose number is a multiple of this; 0 evaluates no step."""
+    eval_on_start: bool = False
+    """Also evaluate the start state before the first step; the run's first row gets val/start/*."""
 
 
 @dataclass_json
@@ -201,6 +229,8 @@ class Config:
     """The learning-rate schedule."""
     data: DataConfig = field(default_factory=DataConfig)
     """The training data."""
+    val: ValConfig = field(default_factory=ValConfig)
+    """Validation during training."""
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     """Checkpointing."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -353,8 +383,12 @@ def markdown_keys(cls: type = RLConfig) -> str:
 
 
 def source_name(source: DataSourceConfig) -> str:
-    """A source's metric name: its `name`, else the file's stem."""
-    return source.name or os.path.splitext(os.path.basename(source.path))[0]
+    """A source's metric name: its `name`, else the file's stem or the dataset's last part."""
+    if source.name:
+        return source.name
+    if source.dataset:
+        return source.dataset.rstrip("/").rsplit("/", 1)[-1]
+    return os.path.splitext(os.path.basename(source.path.rstrip("/")))[0]
 
 
 # ---------------------------------------------------------------------------------------------

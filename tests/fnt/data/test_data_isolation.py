@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fnt.batch import DataPosition, PackedRows, block_causal_mask
+from fnt.config import DataSourceConfig
 from fnt.data import load_jsonl_data
 from fnt.update import packed_logits
 
@@ -25,7 +26,7 @@ def packed_rows(tmp_path_factory, tokenizer) -> PackedRows:
         )
     )
     data = SimpleNamespace(
-        sources=(SimpleNamespace(path=str(path), weight=1.0, name=""),),
+        sources=(DataSourceConfig(path=str(path)),),
         overlong="truncate",
         shuffle=True,
     )

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.batch import DataPosition, SftBatch
+from fnt.config import DataSourceConfig
 from fnt.data import JsonlData, SampleOrder, load_jsonl_data
 
 SEQ_LEN = 16
@@ -134,8 +135,8 @@ def write_sources(tmp_path, count_a: int, count_b: int) -> SimpleNamespace:
     )
     return SimpleNamespace(
         sources=(
-            SimpleNamespace(path=str(a), weight=3.0, name=""),
-            SimpleNamespace(path=str(b), weight=1.0, name="pc"),
+            DataSourceConfig(path=str(a), weight=3.0),
+            DataSourceConfig(path=str(b), name="pc"),
         ),
         overlong="truncate",
         shuffle=True,
@@ -206,7 +207,7 @@ def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
     tmp_path, tokenizer, batch_size, micro_batch_size, dp_rank, dp_size, message
 ):
     missing = SimpleNamespace(
-        sources=(SimpleNamespace(path=str(tmp_path / "no.jsonl"), weight=1.0, name=""),),
+        sources=(DataSourceConfig(path=str(tmp_path / "no.jsonl")),),
         overlong="truncate",
         shuffle=True,
     )
