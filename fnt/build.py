@@ -1,6 +1,6 @@
 """The first TrainState of a run, and restoring one from a checkpoint. Side effects: loads the
-model (and shards it under torchrun), creates the optimizer state, reads the data or prompts, and
-`restore_` loads a checkpoint into the state's model and optimizer.
+model (and shards it under torchrun), creates the optimizer state, reads the data or prompts and
+the validation data, and `restore_` loads a checkpoint into the state's model and optimizer.
 
 Neither decides anything about resuming: `init_state` never looks at checkpoints, and `restore_`
 loads the one it is given. Which checkpoint (if any) a run continues from is `run`'s decision.
@@ -18,6 +18,7 @@ from fnt.model import load_model
 from fnt.optim.setup import apply_compute_dtype_, setup_optimizer
 from fnt.setup import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
+from fnt.validation_pass import load_validation
 
 
 def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
@@ -57,10 +58,11 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
     source's handles and `Progress()`. Reads no checkpoint and refuses nothing."""
     # The data first: a bad file or prompt should fail before the model is loaded.
     sources = source_handles(config, runtime)
+    val = load_validation(config)
     model = load_model(config.model, runtime, runtime.offload)
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
-    handles = Handles(model, optimizer, runtime, StepCursor(0), **sources)
+    handles = Handles(model, optimizer, runtime, StepCursor(0), val=val, **sources)
     return TrainState(config, Progress(), handles)
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fnt.data.sft import JsonlData
     from fnt.rollout.engine import InProcessEngine
     from fnt.rollout.external import ExternalRollouts
+    from fnt.validation_pass import ValData
 
 
 @dataclass_json
@@ -78,6 +79,8 @@ class Handles:
     """SFT on JSONL sources: the tokenized corpus and its sample order (None otherwise)."""
     rollouts: Optional[Union[InProcessEngine, ExternalRollouts]] = None
     """RL: where each step's rollouts come from (None for SFT)."""
+    val: Optional[ValData] = None
+    """The validation samples and prompts (fnt.validation_pass); None without validation."""
 
 
 @dataclass(frozen=True)

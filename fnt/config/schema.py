@@ -89,7 +89,7 @@ class DataSourceConfig:
     share of the mixture."""
 
     path: str = ""
-    """Local JSONL, .parquet or .arrow file, or a directory of .parquet and .arrow files."""
+    """Local JSONL, .parquet or .arrow file, a directory of .parquet/.arrow files, or a glob."""
     dataset: str = ""
     """Instead of path: a Hugging Face dataset name, read with `datasets` (local cache first)."""
     subset: str = ""

@@ -8,6 +8,8 @@ Each kind of source has a record reader, which yields (location, record) pairs i
   format is what `datasets.Dataset.save_to_disk` writes): one record per row, located as
   `file, row index i` (0-based, as `table[i]` counts);
 - a directory: its `.parquet` and `.arrow` files, not those of its subdirectories, in name order;
+- a glob pattern (a path with `*`, `?` or `[`): the files it matches, in name order, each read
+  by its suffix as above (e.g. `snapshot/data/train-*.parquet` picks one split of a Hub layout);
 - a Hugging Face dataset (`dataset`, `subset`, `split`), read with `datasets.load_dataset`:
   located as `dataset 'name' (subset 's', split 'train'), row index i`.
 The order of the records depends only on the data, so sample ids, and with them the data order
@@ -23,6 +25,7 @@ The source's column names then map a record to the keys fnt.data.chat reads (`ch
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol, Sequence
@@ -33,6 +36,7 @@ from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
 from fnt.errors import DataError
 
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+GLOB_CHARS = "*?["
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
 
 
@@ -161,9 +165,11 @@ def without_nulls(value: Any) -> Any:
 
 
 def source_kind(source: Source) -> str:
-    """jsonl, parquet, arrow, directory or dataset (see the module docstring)."""
+    """jsonl, parquet, arrow, directory, glob or dataset (see the module docstring)."""
     if source.dataset:
         return "dataset"
+    if any(char in source.path for char in GLOB_CHARS):
+        return "glob"
     path = Path(source.path)
     if path.is_dir():
         return "directory"
@@ -188,10 +194,18 @@ def source_records(source: Source) -> Iterator[tuple[str, object]]:
     elif kind == "directory":
         for path in directory_files(Path(source.path)):
             yield from columnar_file_records(path)
-    elif kind == "jsonl":
-        yield from jsonl_records(Path(source.path))
+    elif kind == "glob":
+        for path in glob_files(source.path):
+            yield from file_records(path)
     else:
-        yield from columnar_file_records(Path(source.path))
+        yield from file_records(Path(source.path))
+
+
+def file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """The records of one file, read by its suffix: parquet, Arrow, else JSONL."""
+    if path.suffix in COLUMNAR_SUFFIXES:
+        return columnar_file_records(path)
+    return jsonl_records(path)
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
@@ -225,6 +239,14 @@ def directory_files(directory: Path) -> list[Path]:
     )
     if not files:
         raise DataError(f"{directory}: the directory has no .parquet or .arrow files")
+    return files
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """The files a glob pattern matches, in name order; DataError when it matches none."""
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not files:
+        raise DataError(f"{pattern}: the pattern matches no file")
     return files
 
 

@@ -25,14 +25,21 @@ def run_script(
     timeout: float = 300,
     check: bool = True,
     module: bool = False,
+    env: dict[str, str] | None = None,
 ):
     """Run scripts/{script} (or `script` itself when it is an absolute path, such as a test's own
     loop, or the module `script` with `-m` when module=True) with args; under torchrun
-    --standalone when nproc > 0. The repository is on PYTHONPATH so that such loops can import
-    the tests' helpers."""
+    --standalone when nproc > 0, with `env` added to the environment. The repository is on
+    PYTHONPATH so that such loops can import the tests' helpers."""
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
     target = ["-m", script] if module else [str(REPO / "scripts" / script)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_SILENT": "true",
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
     # A session of its own, so that a hung run's torchrun workers die with it on timeout.
     with subprocess.Popen(
         [*launcher, *target, *args],

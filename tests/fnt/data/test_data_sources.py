@@ -111,6 +111,19 @@ def test_a_columnar_source_gives_the_samples_of_the_same_records_as_jsonl(
     assert_same_samples(read, jsonl_corpus)
 
 
+def test_a_glob_reads_the_matching_files_in_name_order_each_by_its_suffix(
+    tokenizer, tmp_path, jsonl_corpus
+):
+    write_jsonl(tmp_path / "train-2.jsonl", RECORDS[3:])
+    write_parquet(tmp_path / "train-0.parquet", RECORDS[:1])
+    write_arrow(tmp_path / "train-1.arrow", RECORDS[1:3], stream=False)
+    write_parquet(tmp_path / "test-0.parquet", RECORDS)
+    pattern = str(tmp_path / "train-*")
+    assert_same_samples(corpus(tokenizer, DataSourceConfig(path=pattern)), jsonl_corpus)
+    with pytest.raises(DataError, match="the pattern matches no file"):
+        corpus(tokenizer, DataSourceConfig(path=str(tmp_path / "valid-*.parquet")))
+
+
 def test_configured_columns_are_read_and_same_named_other_columns_ignored(
     tokenizer, tmp_path, jsonl_corpus
 ):
