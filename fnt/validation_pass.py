@@ -82,6 +82,8 @@ def load_validation(config: Config) -> Optional[ValData]:
     prompts: tuple[Prompt, ...] = ()
     reward_fn = None
     if val.prompts:
+        if not isinstance(config, RLConfig):
+            raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
         prompts = load_prompts(val.prompts, tokenizer)
         reward_fn = reward_function(config.rollout.reward)
     return ValData(

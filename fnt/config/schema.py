@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import textwrap
 import types
 import typing
@@ -383,12 +384,18 @@ def markdown_keys(cls: type = RLConfig) -> str:
 
 
 def source_name(source: DataSourceConfig) -> str:
-    """A source's metric name: its `name`, else the file's stem or the dataset's last part."""
+    """A source's metric name: its `name`, else the file's stem (a glob's up to the first
+    wildcard) or the dataset's last part."""
     if source.name:
         return source.name
     if source.dataset:
         return source.dataset.rstrip("/").rsplit("/", 1)[-1]
-    return os.path.splitext(os.path.basename(source.path.rstrip("/")))[0]
+    path = source.path.rstrip("/")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if any(char in path for char in "*?["):  # a glob: the name before its first wildcard
+        before = re.split(r"[*?\[]", path)[0]
+        stem = os.path.basename(before).strip("-_.") or os.path.basename(before.rstrip("/"))
+    return stem or "files"
 
 
 # ---------------------------------------------------------------------------------------------

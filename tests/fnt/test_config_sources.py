@@ -45,6 +45,8 @@ def test_dataset_sources_are_named_after_the_dataset_and_must_differ():
     b = DataSourceConfig(dataset="other/chat", split="train")
     assert source_name(a) == "chat"
     assert source_name(DataSourceConfig(path="data/dir/")) == "dir"
+    assert source_name(DataSourceConfig(path="snap/data/train-*.parquet")) == "train"
+    assert source_name(DataSourceConfig(path="snap/data/*.parquet")) == "data"
     with pytest.raises(ConfigError, match=r"source names must differ.*\['chat', 'chat'\]"):
         validate(with_sources(a, b), 1)
     validate(with_sources(a, DataSourceConfig(dataset="other/chat", name="chat2")), 1)
