@@ -1,5 +1,5 @@
-"""Data sources and validation in real runs: a parquet source (and a Hugging Face dataset from a
-local datasets cache) trains and resumes exactly; val/* rows at the interval, at 1 and 2 ranks."""
+"""Data sources and validation in real runs: a parquet source and a Hugging Face dataset from a
+local datasets cache train and resume exactly; val/* rows at the interval, at 1 and 2 ranks."""
 
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ from tests.e2e.helpers import (
 
 N, K = 4, 2
 INTERVAL = 2
-EXACT_KEYS = ("loss/mean", "optim/grad_norm", "progress/num_samples", "progress/num_tokens")
+EXACT_KEYS = (
+    "loss/mean",
+    "optim/grad_norm",
+    "progress/num_samples",
+    "progress/num_tokens",
+    "progress/reverse/ratio_tokens",  # the dataset's share: its samples are read and packed
+)
 VAL_KEYS = {"val/loss", "val/perplexity", "val/num_tokens"}
 START_KEYS = {"val/start/loss", "val/start/perplexity", "val/start/num_tokens"}
 
@@ -52,18 +58,23 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict[str, Path]:
+def data(tmp_path_factory) -> dict:
+    """Training data in a parquet file and in a Hugging Face dataset of a datasets cache made
+    here (found offline through HF_HOME), held-out data in a parquet and a JSONL file."""
     root = tmp_path_factory.mktemp("data")
     val_jsonl = root / "held_out.jsonl"
     val_jsonl.write_text("".join(json.dumps(r) + "\n" for r in records(3, 100)))
+    write_datasets_cache(records(10, 50), root / "hf_home" / "datasets", "local/reverse")
     return {
         "train": write_parquet(root / "train.parquet", records(24, 0)),
         "val_parquet": write_parquet(root / "val.parquet", records(5, 200)),
         "val_jsonl": val_jsonl,
+        "env": {"HF_HOME": str(root / "hf_home"), "HF_DATASETS_OFFLINE": "1"},
     }
 
 
 def args(model_dir, out, data, *extra):
+    train_sources = [{"path": str(data["train"])}, {"dataset": "local/reverse", "weight": 0.5}]
     val_sources = [{"path": str(data["val_parquet"])}, {"path": str(data["val_jsonl"])}]
     return config_args(
         "examples/debug/sft.toml",
@@ -74,7 +85,7 @@ def args(model_dir, out, data, *extra):
         "--data.kind",
         "jsonl",
         "--data.sources",
-        json.dumps([{"path": str(data["train"])}]),
+        json.dumps(train_sources),
         "--val.sources",
         json.dumps(val_sources),
         "--val.interval",
@@ -87,7 +98,9 @@ def args(model_dir, out, data, *extra):
 @pytest.fixture(scope="module")
 def one_rank(tiny_model_dir, data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("val1") / "run"
-    run_script("sft.py", *args(tiny_model_dir, out, data, "--ckpt.interval", str(K)))
+    run_script(
+        "sft.py", *args(tiny_model_dir, out, data, "--ckpt.interval", str(K)), env=data["env"]
+    )
     return out
 
 
@@ -115,14 +128,17 @@ def test_validation_rows_at_one_rank(one_rank):
     }
     assert rows[-1]["val/loss"] < rows[0]["val/start/loss"]
     assert rows[0]["time/val"] > 0 and rows[1]["time/val"] > 0 and rows[2]["time/val"] == 0
+    assert all(0 < r["progress/reverse/ratio_samples"] < 1 for r in rows)
 
 
-def test_a_parquet_source_resumes_exactly_and_a_resumed_start_evaluates_the_checkpoint(
+def test_parquet_and_dataset_sources_resume_exactly_and_a_resumed_start_evaluates_the_checkpoint(
     one_rank, tiny_model_dir, data, tmp_path
 ):
     resumed = tmp_path / "resumed"
     copy_crashed_run(one_rank, resumed, K)
-    run_script("sft.py", *args(tiny_model_dir, resumed, data, "--resume", "latest"))
+    run_script(
+        "sft.py", *args(tiny_model_dir, resumed, data, "--resume", "latest"), env=data["env"]
+    )
     assert_resumed_run_matches(one_rank, resumed, K, N, EXACT_KEYS, tmp_path)
     full, rows = read_metrics(one_rank), read_metrics(resumed)
     assert_val_rows(rows[K:], K + 1)
@@ -133,7 +149,7 @@ def test_a_parquet_source_resumes_exactly_and_a_resumed_start_evaluates_the_chec
 
 def test_validation_rows_at_two_ranks_match_one_rank(one_rank, tiny_model_dir, data, tmp_path):
     out = tmp_path / "run2"
-    run_script("sft.py", *args(tiny_model_dir, out, data), nproc=2)
+    run_script("sft.py", *args(tiny_model_dir, out, data), nproc=2, env=data["env"])
     rows1, rows2 = read_metrics(one_rank), read_metrics(out)
     assert_val_rows(rows2, 1)
     for r1, r2 in zip(rows1, rows2):
@@ -142,40 +158,14 @@ def test_validation_rows_at_two_ranks_match_one_rank(one_rank, tiny_model_dir, d
 
 
 @pytest.mark.slow
-def test_a_dataset_from_the_local_datasets_cache_trains_and_resumes_exactly(
-    tiny_model_dir, tmp_path
-):
-    home = tmp_path / "hf_home"
-    write_datasets_cache(records(24, 0), home / "datasets", "local/reverse", split="train")
-    env = {"HF_HOME": str(home), "HF_DATASETS_OFFLINE": "1"}
-
-    def dataset_args(out, *extra):
-        return config_args(
-            "examples/debug/sft.toml",
-            tiny_model_dir,
-            out,
-            "--max-steps",
-            str(N),
-            "--data.kind",
-            "jsonl",
-            "--data.sources",
-            json.dumps([{"dataset": "local/reverse", "split": "train"}]),
-            *extra,
-        )
-
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_script("sft.py", *dataset_args(full, "--ckpt.interval", str(K)), env=env)
-    copy_crashed_run(full, resumed, K)
-    run_script("sft.py", *dataset_args(resumed, "--resume", "latest"), env=env)
-    assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
-
+def test_a_dataset_missing_from_the_cache_offline_exits_2_naming_it(tiny_model_dir, data, tmp_path):
     missing = run_script(
         "sft.py",
-        *dataset_args(tmp_path / "missing", "--data.sources", '[{"dataset": "org/absent"}]'),
-        env=env,
+        *args(tiny_model_dir, tmp_path / "run", data, "--data.sources", '[{"dataset": "org/x"}]'),
+        env=data["env"],
         check=False,
     )
     assert missing.returncode == 2
-    assert "Hugging Face dataset 'org/absent' (split 'train') is not in the local" in (
+    assert "error: Hugging Face dataset 'org/x' (split 'train') is not in the local" in (
         missing.stderr
     )

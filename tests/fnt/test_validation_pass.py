@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from fnt.validation_pass import Validation, is_due, loss_metrics, pack_in_order,
 from steps import rl_step, sft_step
 
 SEQ_LEN = 48
+REPO = Path(__file__).resolve().parents[2]
 
 
 @settings(max_examples=60, deadline=None)
@@ -162,7 +164,7 @@ def test_rl_validation_scores_greedy_answers_of_the_policy(tiny_model_dir, tmp_p
         micro_batch_size=2,
         max_steps=2,
         rollout=RolloutConfig(
-            prompts="examples/debug/prompts.jsonl",
+            prompts=str(REPO / "examples" / "debug" / "prompts.jsonl"),
             reward="ascii_letters",
             prompts_per_step=2,
             group_size=2,
