@@ -132,7 +132,7 @@ def chat_record(record: object, source: Source) -> object:
         raise ValueError(
             f"the record has both the messages column {columns['messages']!r} and a prompt or "
             f"completion column ({columns['prompt']!r}, {columns['completion']!r}): set the "
-            "columns this source does not use to \"\" (messages_column, or prompt_column and "
+            'columns this source does not use to "" (messages_column, or prompt_column and '
             "completion_column)"
         )
     for key in ("prompt", "completion"):
@@ -234,9 +234,7 @@ def directory_files(directory: Path) -> list[Path]:
             f"{directory} holds a DatasetDict saved with save_to_disk: point the source's path "
             f"at the directory of one split (one of {splits})"
         )
-    files = sorted(
-        p for p in directory.iterdir() if p.suffix in COLUMNAR_SUFFIXES and p.is_file()
-    )
+    files = sorted(p for p in directory.iterdir() if p.suffix in COLUMNAR_SUFFIXES and p.is_file())
     if not files:
         raise DataError(f"{directory}: the directory has no .parquet or .arrow files")
     return files
