@@ -15,6 +15,7 @@ _EXPORTS = {
     "ModelConfig": "fnt.config",
     "DataConfig": "fnt.config",
     "DataSourceConfig": "fnt.config",
+    "ValConfig": "fnt.config",
     "load_config": "fnt.config",
     "ConfigError": "fnt.errors",
     "DataError": "fnt.errors",
@@ -29,6 +30,7 @@ _EXPORTS = {
     "sft_source": "fnt.sources",
     "rl_source": "fnt.sources",
     "to_floats": "fnt.metrics",
+    "Validation": "fnt.validation_pass",
     # The shared helpers of the driver
     "setup_trainer": "fnt.setup",
     "teardown_trainer": "fnt.setup",

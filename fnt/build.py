@@ -1,7 +1,7 @@
 """The first TrainState of a run, and restoring one from a checkpoint. Side effects: loads the
 model (and shards it under torchrun; so too an RL reference model when the loss needs one),
-creates the optimizer state, reads the data or prompts, and `restore_` loads a checkpoint into
-the state's model and optimizer.
+creates the optimizer state, reads the data or prompts and the validation data, and `restore_`
+loads a checkpoint into the state's model and optimizer.
 
 Neither decides anything about resuming: `init_state` never looks at checkpoints, and `restore_`
 loads the one it is given. Which checkpoint (if any) a run continues from is `run`'s decision.
@@ -19,6 +19,7 @@ from fnt.model import load_model
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
 from fnt.setup import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
+from fnt.validation_pass import load_validation
 
 
 def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
@@ -80,11 +81,14 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
     checkpoint and refuses nothing."""
     # The data first: a bad file or prompt should fail before the model is loaded.
     sources = source_handles(config, runtime)
+    val = load_validation(config)
     model = load_model(config.model, runtime, runtime.offload)
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
     ref_model = reference_model(config, runtime)
-    handles = Handles(model, optimizer, runtime, StepCursor(0), **sources, ref_model=ref_model)
+    handles = Handles(
+        model, optimizer, runtime, StepCursor(0), val=val, ref_model=ref_model, **sources
+    )
     return TrainState(config, Progress(), handles)
 
 

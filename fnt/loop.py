@@ -56,6 +56,7 @@ from fnt.resume import (
 from fnt.setup import Runtime, setup_trainer, teardown_trainer
 from fnt.sources import Source
 from fnt.state import Progress, TrainState
+from fnt.validation_pass import Validation
 
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
@@ -315,6 +316,7 @@ def run(
             lock = lock_output_dir_(Path(config.output_dir))
         state = start_state(config, runtime)
         start_step = state.progress.step
+        validation = Validation(state)  # with val.eval_on_start, evaluates the start state
         if on_state is not None:
             on_state(state)
         output_dir = Path(config.output_dir)
@@ -347,9 +349,10 @@ def run(
             tokens_before = state.progress.total_tokens
             # Row N is on disk before step_N is committed: a kill in between resumes from an
             # earlier checkpoint and rewrites the row, never from step_N with row N missing.
+            val_metrics = validation.row_metrics(state)  # evaluates when the step is due
             log_step_metrics(
                 step,
-                merge_metrics(to_floats(metrics), progress_metrics(state.progress)),
+                merge_metrics(to_floats(metrics), progress_metrics(state.progress), val_metrics),
                 time=time.time(),
                 perf=perf_metrics(
                     tokens,

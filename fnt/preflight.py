@@ -29,21 +29,32 @@ TOKENIZER_FILES = (
 
 
 def check_inputs(config: Config, model_name_source: str) -> None:
-    """Everything checkable before the model is built; raises ConfigError or DataError."""
+    """Everything checkable before the model is built; raises ConfigError or DataError.
+
+    JSONL sources get their first record checked; parquet/Arrow files and directories only
+    their existence; glob patterns and Hugging Face datasets are resolved by the loader."""
     require_model_dir(config.model.name, model_name_source)
     is_rl = isinstance(config, RLConfig)
     if is_rl or config.data.kind == "jsonl":
         require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "jsonl"')
     # Each file is read before the module with its record rules is imported (that costs torch).
+    sources = [(f"val.sources[{i}]", s) for i, s in enumerate(config.val.sources)]
     if not is_rl and config.data.kind == "jsonl":
-        firsts = [
-            first_record(source.path, f"data.sources[{i}].path")
-            for i, source in enumerate(config.data.sources)
-        ]
+        sources = [(f"data.sources[{i}]", s) for i, s in enumerate(config.data.sources)] + sources
+    firsts = [
+        (first_record(source.path, f"{key}.path"), source)
+        for key, source in sources
+        if is_jsonl(source)
+    ]
+    for key, source in sources:
+        if source.path and not is_jsonl(source) and not any(c in source.path for c in "*?["):
+            require_path(source.path, f"{key}.path")
+    if firsts:
         from fnt.data.chat import conversation_from_record
+        from fnt.data.load import chat_record
 
-        for first in firsts:
-            check_record(first, conversation_from_record)
+        for first, source in firsts:
+            check_record(first, lambda r, s=source: conversation_from_record(chat_record(r, s)))
     if is_rl and config.rollout.engine == "in_process":
         first = first_record(config.rollout.prompts, "rollout.prompts")
         from fnt.rollout.prompts import prompt_messages
@@ -79,6 +90,23 @@ def require_tokenizer_files(name: str, needed_by: str) -> None:
         f"{', '.join(TOKENIZER_FILES)}), and {needed_by} needs a tokenizer; copy the tokenizer "
         "files that belong to the model into it"
     )
+
+
+def is_jsonl(source) -> bool:
+    """Whether a data source is a JSONL file: a path that is no parquet/Arrow file, directory or
+    glob pattern (the kinds fnt.data.load reads), nor a Hugging Face dataset."""
+    path = source.path
+    return bool(path) and not (
+        path.endswith((".parquet", ".arrow"))
+        or any(c in path for c in "*?[")
+        or os.path.isdir(path)
+    )
+
+
+def require_path(path: str, key: str) -> None:
+    """DataError unless `path` exists (a columnar file or a directory, read later)."""
+    if not os.path.exists(path):
+        raise DataError(f"'{key}' = {path!r}: no such file or directory")
 
 
 def first_record(path: str, key: str) -> tuple[str, int, object]:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fnt.data.sft import JsonlData
     from fnt.rollout.engine import InProcessEngine
     from fnt.rollout.external import ExternalRollouts
+    from fnt.validation_pass import ValData
 
 
 @dataclass_json
@@ -81,6 +82,8 @@ class Handles:
     ref_model: Any = None
     """RL with loss.ref_kl_tau > 0 and ref_source = "model": the frozen reference policy, sharded
     like the model, without gradients; never in the optimizer or a checkpoint (None otherwise)."""
+    val: Optional[ValData] = None
+    """The validation samples and prompts (fnt.validation_pass); None without validation."""
 
 
 @dataclass(frozen=True)

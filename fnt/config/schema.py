@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import textwrap
 import types
 import typing
@@ -89,25 +90,38 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 @dataclass_json
 @dataclass(frozen=True)
 class DataSourceConfig:
-    """One JSONL source of SFT samples and its share of the mixture."""
+    """One source of SFT samples (a local file or directory, or a Hugging Face dataset) and its
+    share of the mixture."""
 
     path: str = ""
-    """Local JSONL file of prompt/completion or messages samples."""
+    """Local JSONL, .parquet or .arrow file, a directory of .parquet/.arrow files, or a glob."""
+    dataset: str = ""
+    """Instead of path: a Hugging Face dataset name, read with `datasets` (local cache first)."""
+    subset: str = ""
+    """The dataset's subset (configuration) name; empty for its default one."""
+    split: str = "train"
+    """The dataset's split."""
+    messages_column: str = "messages"
+    """Column (JSONL key) of the chat messages; empty if the source has none."""
+    prompt_column: str = "prompt"
+    """Column (JSONL key) of the prompt of prompt/completion samples; empty if none."""
+    completion_column: str = "completion"
+    """Column (JSONL key) of the completion of prompt/completion samples; empty if none."""
     weight: float = 1.0
     """Relative share of this source in the mixture."""
     name: str = ""
-    """Name used in metrics; empty means the file's stem."""
+    """Name used in metrics; empty means the file's stem or the dataset's name."""
 
 
 @dataclass_json
 @dataclass(frozen=True)
 class DataConfig:
-    """The SFT training data: synthetic, or JSONL sources mixed by weight."""
+    """The SFT training data: synthetic, or sources (files, datasets) mixed by weight."""
 
     kind: Literal["synthetic", "jsonl"] = "synthetic"
-    """synthetic: generated counting sequences (debugging); jsonl: the sources below."""
+    """synthetic: generated counting sequences (debugging); jsonl: the sources below (any kind)."""
     sources: tuple[DataSourceConfig, ...] = ()
-    """JSONL sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}]."""
+    """Sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}, {dataset = "org/name"}]."""
     overlong: Literal["truncate", "drop", "error"] = "truncate"
     """What to do with a sample longer than seq_len."""
     shuffle: bool = True
@@ -120,6 +134,21 @@ class DataConfig:
     """Train an assistant turn's reasoning (reasoning_content or a leading <think> block)."""
     chat_template: str = ""
     """Chat template replacing the model's: a file path or the template text (empty: keep it)."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ValConfig:
+    """Validation during training: the loss on held-out samples; in RL, greedy answers' reward."""
+
+    sources: tuple[DataSourceConfig, ...] = ()
+    """Held-out samples (same kinds as data.sources, weights unused) for val/loss."""
+    prompts: str = ""
+    """RL: JSONL prompts answered greedily and scored by rollout.reward, for val/reward/mean."""
+    interval: int = 0
+    """Evaluate after every step whose number is a multiple of this; 0 evaluates no step."""
+    eval_on_start: bool = False
+    """Also evaluate the start state before the first step; the run's first row gets val/start/*."""
 
 
 @dataclass_json
@@ -217,6 +246,8 @@ class Config:
     """The learning-rate schedule."""
     data: DataConfig = field(default_factory=DataConfig)
     """The training data."""
+    val: ValConfig = field(default_factory=ValConfig)
+    """Validation during training."""
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     """Checkpointing."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -395,8 +426,18 @@ def markdown_keys(cls: type = RLConfig) -> str:
 
 
 def source_name(source: DataSourceConfig) -> str:
-    """A source's metric name: its `name`, else the file's stem."""
-    return source.name or os.path.splitext(os.path.basename(source.path))[0]
+    """A source's metric name: its `name`, else the file's stem (a glob's up to the first
+    wildcard) or the dataset's last part."""
+    if source.name:
+        return source.name
+    if source.dataset:
+        return source.dataset.rstrip("/").rsplit("/", 1)[-1]
+    path = source.path.rstrip("/")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if any(char in path for char in "*?["):  # a glob: the name before its first wildcard
+        before = re.split(r"[*?\[]", path)[0]
+        stem = os.path.basename(before).strip("-_.") or os.path.basename(before.rstrip("/"))
+    return stem or "files"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fnt.config.schema import CHAT_ROLES, Config, RLConfig, RolloutConfig, source_name
+from fnt.config.schema import (
+    CHAT_ROLES,
+    Config,
+    DataSourceConfig,
+    RLConfig,
+    RolloutConfig,
+    source_name,
+)
 from fnt.errors import ConfigError
 from fnt.parallel import plan_parallel_dims
 from fnt.rewards import import_function
@@ -66,20 +73,13 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             "data.sources",
             'data.kind = "jsonl" needs at least one source',
         )
-        for i, source in enumerate(config.data.sources):
-            if not source.path:
-                raise ConfigError(f"'data.sources[{i}].path' is empty: name a JSONL file")
-            if source.weight <= 0:
-                raise ConfigError(f"'data.sources[{i}].weight' = {source.weight}: must be > 0")
-        names = [source_name(s) for s in config.data.sources]
-        require(
-            len(set(names)) == len(names), "data.sources", f"source names must differ, got {names}"
-        )
+        validate_sources(config.data.sources, "data.sources")
         require(
             set(config.data.loss_mask) <= set(CHAT_ROLES),
             "data.loss_mask",
             f"roles must be among {CHAT_ROLES}",
         )
+    validate_val(config)
     # ep does not change the data-parallel size; setup checks it against the model.
     dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp
     rows_per_pass = config.micro_batch_size * dp
@@ -137,6 +137,75 @@ def validate_loss(config: RLConfig) -> None:
         "ref_source",
         'only external rollouts carry ref_logprobs; use "model" with the in-process engine',
     )
+
+
+def validate_sources(sources: tuple[DataSourceConfig, ...], key: str) -> None:
+    """ConfigError for a data source that names no data (or two), no columns, a bad weight, or a
+    metric name another source of the list has. Pure."""
+    for i, source in enumerate(sources):
+        at = f"{key}[{i}]"
+        if not (source.path or source.dataset):
+            raise ConfigError(
+                f"'{at}.path' is empty: name a local file or directory, or set '{at}.dataset' "
+                "to a Hugging Face dataset name"
+            )
+        if source.path and source.dataset:
+            raise ConfigError(
+                f"'{at}': path = {source.path!r} and dataset = {source.dataset!r}: a source "
+                "reads one of them; make two sources to read both"
+            )
+        if source.subset and not source.dataset:
+            raise ConfigError(f"'{at}.subset' = {source.subset!r}: only a dataset has subsets")
+        if bool(source.prompt_column) != bool(source.completion_column):
+            raise ConfigError(
+                f"'{at}': prompt_column = {source.prompt_column!r} and completion_column = "
+                f"{source.completion_column!r}: name both columns, or neither"
+            )
+        if not (source.messages_column or source.prompt_column):
+            raise ConfigError(
+                f"'{at}': messages_column, prompt_column and completion_column are all empty: "
+                "name the column of the messages, or the prompt and completion columns"
+            )
+        if source.weight <= 0:
+            raise ConfigError(f"'{at}.weight' = {source.weight}: must be > 0")
+    names = [source_name(s) for s in sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(
+            f"'{key}': source names must differ (they name metrics), got {names}: set 'name'"
+        )
+
+
+def validate_val(config: Config) -> None:
+    """ConfigError unless the val section evaluates something, sometime, that this run can
+    evaluate. Pure."""
+    val = config.val
+    if val.interval < 0:
+        raise ConfigError(f"'val.interval' = {val.interval}: must be >= 0 (0: no step)")
+    validate_sources(val.sources, "val.sources")
+    has_data = bool(val.sources or val.prompts)
+    evaluates = val.interval > 0 or val.eval_on_start
+    if has_data and not evaluates:
+        raise ConfigError(
+            "'val.interval' = 0 and 'val.eval_on_start' = false: the val data would never be "
+            "evaluated; set val.interval (or val.eval_on_start)"
+        )
+    if evaluates and not has_data:
+        raise ConfigError(
+            "'val.sources' and 'val.prompts' are empty: validation needs data to evaluate "
+            f"(val.interval = {val.interval}, val.eval_on_start = {val.eval_on_start})"
+        )
+    if val.prompts:
+        if not isinstance(config, RLConfig):
+            raise ConfigError(
+                f"'val.prompts' = {val.prompts!r}: prompts are scored by rollout.reward, so they "
+                "need an RL run (fnt rl); an SFT run validates on val.sources"
+            )
+        if config.rollout.engine != "in_process" or not config.rollout.prompts:
+            raise ConfigError(
+                f"'val.prompts' = {val.prompts!r}: greedy answers are generated by the in-process "
+                "rollout engine's inference copy, so rollout.engine must be \"in_process\" with "
+                "rollout.prompts set"
+            )
 
 
 def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:

@@ -1,14 +1,34 @@
-"""Read the JSONL sources and tokenize every sample once. Side effects: reads the source files.
+"""Read the data sources and tokenize every sample once. Side effects: reads the source files, or
+the `datasets` cache for a Hugging Face dataset (and the Hub, only when it is not cached there).
 
-Blank lines are skipped; any other line must be one record (see fnt.data.chat). Every problem
-with a line raises DataError naming the file and the 1-based line number, before training starts.
+Each kind of source has a record reader, which yields (location, record) pairs in a fixed order:
+- a JSONL file (any path that is not one of the kinds below): one record per non-blank line,
+  located as `file, line N` (1-based);
+- a parquet file (`.parquet`) or an Arrow IPC file (`.arrow`, file or stream format; the stream
+  format is what `datasets.Dataset.save_to_disk` writes): one record per row, located as
+  `file, row index i` (0-based, as `table[i]` counts);
+- a directory: its `.parquet` and `.arrow` files, not those of its subdirectories, in name order;
+- a glob pattern (a path with `*`, `?` or `[`): the files it matches, in name order, each read
+  by its suffix as above (e.g. `snapshot/data/train-*.parquet` picks one split of a Hub layout);
+- a Hugging Face dataset (`dataset`, `subset`, `split`), read with `datasets.load_dataset`:
+  located as `dataset 'name' (subset 's', split 'train'), row index i`.
+The order of the records depends only on the data, so sample ids, and with them the data order
+and resume, are the same in every run on the same data. Every problem with a record raises
+DataError naming its location, before training starts.
+
+Columnar records (parquet, Arrow, datasets) have a field for every column, and a struct inside a
+list (a message) has every field any of its siblings has; a missing value is null. Null values
+are therefore dropped from columnar records, so a message has only the keys it was written with.
+The source's column names then map a record to the keys fnt.data.chat reads (`chat_record`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 from fnt.config import source_name
 from fnt.data.chat import (
@@ -21,9 +41,19 @@ from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
 from fnt.errors import DataError
 from fnt.tokenizer import stop_token_ids
 
+COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+GLOB_CHARS = "*?["
+ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
+
 
 class Source(Protocol):
     path: str
+    dataset: str
+    subset: str
+    split: str
+    messages_column: str
+    prompt_column: str
+    completion_column: str
     weight: float
     name: str
 
@@ -38,13 +68,13 @@ def load_corpus(
 ) -> Corpus:
     """Every source tokenized (a record may give several samples, see fnt.data.chat) and fitted
     to seq_len under the overlong policy; `masking` defaults to the assistant turns with the
-    tokenizer's stop tokens."""
+    model's stop tokens."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"data.overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if not sources:
-        raise ValueError("data.sources is empty: give at least one JSONL file")
+        raise ValueError("data.sources is empty: give at least one source")
     if masking is None:
         masking = ChatMasking(stop_ids=stop_token_ids(tokenizer, tokenizer.name_or_path or None))
     if not (masking.chat_template or tokenizer.chat_template):
@@ -61,9 +91,7 @@ def load_corpus(
     corpus = Corpus.build(
         (
             name,
-            _fitted_samples(
-                Path(source.path), tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
-            ),
+            _fitted_samples(source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking),
         )
         for name, source in zip(names, sources)
     )
@@ -72,7 +100,7 @@ def load_corpus(
         fates = corpus.fates[first_id : first_id + size]
         if all(fate.dropped for fate in fates):
             raise DataError(
-                f"{source.path}: no sample is usable with seq_len={seq_len} and "
+                f"{source_label(source)}: no sample is usable with seq_len={seq_len} and "
                 f"data.overlong={overlong!r} "
                 f"({fates.count(SampleFate.DROPPED_OVERLONG)} over-long, "
                 f"{fates.count(SampleFate.DROPPED_NO_LOSS)} without target tokens)"
@@ -82,30 +110,269 @@ def load_corpus(
 
 
 def _fitted_samples(
-    path: Path, tokenizer, *, seq_len: int, overlong: str, masking: ChatMasking
+    source: Source, tokenizer, *, seq_len: int, overlong: str, masking: ChatMasking
 ) -> Iterator[tuple[list[int], list[bool], SampleFate]]:
+    found = False
+    for location, record in source_records(source):
+        found = True
+        try:
+            chat = chat_record(record, source)
+            messages = conversation_from_record(chat)
+            samples = tokenize_conversation(
+                messages, tokenizer, masking, tools=tools_from_record(chat)
+            )
+            fitted = [
+                fit_to_length(ids, targets, seq_len=seq_len, overlong=overlong)
+                for ids, targets in samples
+            ]
+        except ValueError as e:
+            raise DataError(f"{location}: {e}") from e
+        yield from fitted
+    if not found:
+        kind = source_kind(source)
+        empty = f"the {kind} has no rows"
+        if kind == "jsonl":
+            empty = "the file is empty (no JSONL records)"
+        raise DataError(f"{source_label(source)}: {empty}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Records to chats
+
+
+CHAT_KEYS = ("messages", "prompt", "completion")
+
+
+def chat_record(record: object, source: Source) -> object:
+    """The record with the source's columns renamed to the keys fnt.data.chat reads: messages,
+    or prompt and completion. Keys with those names that are not the source's columns are left
+    out, so a record is read through its configured columns only; every other key passes
+    through, for the chat template. ValueError for a record without the columns; anything but a
+    mapping is returned as it is, for fnt.data.chat to reject."""
+    if not isinstance(record, Mapping):
+        return record
+    columns = dict(zip(CHAT_KEYS, _columns(source)))
+    present = {key for key, column in columns.items() if column and column in record}
+    if not present:
+        wanted = [f"{columns['prompt']!r} and {columns['completion']!r}"] * bool(columns["prompt"])
+        wanted += [repr(columns["messages"])] * bool(columns["messages"])
+        raise ValueError(f"expected keys {', or '.join(wanted)}; got keys {sorted(record)}")
+    if "messages" in present and present != {"messages"}:
+        raise ValueError(
+            f"the record has both the messages column {columns['messages']!r} and a prompt or "
+            f"completion column ({columns['prompt']!r}, {columns['completion']!r}): set the "
+            'columns this source does not use to "" (messages_column, or prompt_column and '
+            "completion_column)"
+        )
+    for key in ("prompt", "completion"):
+        if "messages" not in present and key not in present:
+            raise ValueError(f"a prompt/completion record needs key {columns[key]!r}")
+    used = {column for column in columns.values() if column}
+    out = {key: value for key, value in record.items() if key not in used and key not in CHAT_KEYS}
+    for key in CHAT_KEYS:
+        if key in present:
+            out[key] = record[columns[key]]
+    return out
+
+
+def _columns(source: Source) -> tuple[str, str, str]:
+    return source.messages_column, source.prompt_column, source.completion_column
+
+
+def without_nulls(value: Any) -> Any:
+    """`value` with every null-valued key of every mapping inside it removed (lists keep their
+    items), as a columnar row means null for a field its record does not have. Pure."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Record readers, one per kind of source
+
+
+def source_kind(source: Source) -> str:
+    """jsonl, parquet, arrow, directory, glob or dataset (see the module docstring)."""
+    if source.dataset:
+        return "dataset"
+    if any(char in source.path for char in GLOB_CHARS):
+        return "glob"
+    path = Path(source.path)
+    if path.is_dir():
+        return "directory"
+    if path.suffix in COLUMNAR_SUFFIXES:
+        return path.suffix[1:]
+    return "jsonl"
+
+
+def source_label(source: Source) -> str:
+    """How messages name a source: its path, or the dataset with its subset and split."""
+    if source.dataset:
+        subset = f"subset {source.subset!r}, " if source.subset else ""
+        return f"dataset {source.dataset!r} ({subset}split {source.split!r})"
+    return source.path
+
+
+def source_records(source: Source) -> Iterator[tuple[str, object]]:
+    """(location, record) of every record of a source, in its fixed order."""
+    kind = source_kind(source)
+    if kind == "dataset":
+        yield from dataset_records(source.dataset, source.subset, source.split)
+    elif kind == "directory":
+        for path in directory_files(Path(source.path)):
+            yield from columnar_file_records(path)
+    elif kind == "glob":
+        for path in glob_files(source.path):
+            yield from file_records(path)
+    else:
+        yield from file_records(Path(source.path))
+
+
+def file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """The records of one file, read by its suffix: parquet, Arrow, else JSONL."""
+    if path.suffix in COLUMNAR_SUFFIXES:
+        return columnar_file_records(path)
+    return jsonl_records(path)
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
+    """The parsed JSON of every non-blank line; DataError for a line that is not JSON."""
     try:
         file = path.open("rb")
     except OSError as e:
         raise DataError(f"cannot read data source {path}: {e}") from e
-    found = False
     with file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
-            found = True
+            location = f"{path}, line {line_number}"
             try:
                 record = json.loads(line.decode("utf-8"))
-                messages = conversation_from_record(record)
-                samples = tokenize_conversation(
-                    messages, tokenizer, masking, tools=tools_from_record(record)
-                )
-                fitted = [
-                    fit_to_length(ids, targets, seq_len=seq_len, overlong=overlong)
-                    for ids, targets in samples
-                ]
-            except ValueError as e:  # also bad JSON and bad UTF-8, which subclass ValueError
-                raise DataError(f"{path}, line {line_number}: {e}") from e
-            yield from fitted
-    if not found:
-        raise DataError(f"{path}: the file is empty (no JSONL records)")
+            except ValueError as e:  # bad JSON and bad UTF-8 both subclass ValueError
+                raise DataError(f"{location}: {e}") from e
+            yield location, record
+
+
+def directory_files(directory: Path) -> list[Path]:
+    """The directory's parquet and Arrow files in name order; DataError when it has none."""
+    if (directory / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in directory.iterdir() if p.is_dir())
+        raise DataError(
+            f"{directory} holds a DatasetDict saved with save_to_disk: point the source's path "
+            f"at the directory of one split (one of {splits})"
+        )
+    files = sorted(p for p in directory.iterdir() if p.suffix in COLUMNAR_SUFFIXES and p.is_file())
+    if not files:
+        raise DataError(f"{directory}: the directory has no .parquet or .arrow files")
+    return files
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """The files a glob pattern matches, in name order; DataError when it matches none."""
+    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not files:
+        raise DataError(f"{pattern}: the pattern matches no file")
+    return files
+
+
+def columnar_file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """The rows of a parquet or Arrow file as records, nulls dropped."""
+    import pyarrow as pa
+
+    index = 0
+    try:
+        for batch in _record_batches(path):
+            for row in batch.to_pylist():
+                yield f"{path}, row index {index}", without_nulls(row)
+                index += 1
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"cannot read data source {path}: {e}") from e
+
+
+def _record_batches(path: Path) -> Iterator[Any]:
+    import pyarrow as pa
+
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).iter_batches(batch_size=ROWS_PER_BATCH)
+        return
+    try:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:  # not the file format: the stream format, as save_to_disk writes
+        yield from pa.ipc.open_stream(pa.memory_map(str(path)))
+        return
+    for i in range(reader.num_record_batches):
+        yield reader.get_batch(i)
+
+
+def dataset_records(name: str, subset: str, split: str) -> Iterator[tuple[str, object]]:
+    """The rows of a Hugging Face dataset split as records, nulls dropped."""
+    dataset = load_hf_dataset(name, subset, split)
+    subset_part = f"subset {subset!r}, " if subset else ""
+    where = f"dataset {name!r} ({subset_part}split {split!r})"
+    index = 0
+    for table in dataset.with_format("arrow").iter(batch_size=ROWS_PER_BATCH):
+        for row in table.to_pylist():
+            yield f"{where}, row index {index}", without_nulls(row)
+            index += 1
+
+
+def load_hf_dataset(name: str, subset: str, split: str):
+    """A split of a Hugging Face dataset, from the local `datasets` cache when it is there.
+
+    The cache is tried first, with the Hub switched off: a dataset that is cached loads without
+    any network (no retries against an unreachable Hub), and a resumed run reads the same
+    revision the run started with, not a newer one pushed in between. Only a dataset that is not
+    cached is looked up on the Hub (downloaded into the cache), and not at all in offline mode
+    (HF_DATASETS_OFFLINE or HF_HUB_OFFLINE). Every failure is a DataError naming the dataset.
+    """
+    import datasets
+
+    subset_part = f"subset {subset!r}, " if subset else ""
+    label = f"Hugging Face dataset {name!r} ({subset_part}split {split!r})"
+    cache = datasets.config.HF_DATASETS_CACHE
+    offline = datasets.config.HF_HUB_OFFLINE
+    try:
+        with _cache_only(datasets):
+            return datasets.load_dataset(name, subset or None, split=split)
+    except Exception as e:  # datasets signals a cache miss with several exception types
+        cache_miss = e
+    if offline:
+        raise DataError(
+            f"{label} is not in the local datasets cache ({cache}) and offline mode is on "
+            f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE): {cache_miss}. Load it once with network "
+            f"access (datasets.load_dataset({name!r}, {subset or None!r}, split={split!r})) so "
+            "that it is cached, or point the source's path at local parquet files"
+        ) from cache_miss
+    try:
+        return datasets.load_dataset(name, subset or None, split=split)
+    except ConnectionError as e:
+        raise DataError(
+            f"{label} is not in the local datasets cache ({cache}: {cache_miss}) and the Hugging "
+            f"Face Hub cannot be reached ({e}): load it once with network access so that it is "
+            "cached, or point the source's path at local parquet files"
+        ) from e
+    except Exception as e:
+        raise DataError(f"cannot load {label}: {type(e).__name__}: {e}") from e
+
+
+@contextlib.contextmanager
+def _cache_only(datasets) -> Iterator[None]:
+    """`datasets` in offline mode, and quiet, inside the block.
+
+    datasets reads its offline switch from `datasets.config` at each call (the environment
+    variables set it at import), so switching it here works whenever datasets was imported. Its
+    warning that the dataset "couldn't be found on the Hub" would be wrong here: the Hub was not
+    asked.
+    """
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.logging.get_verbosity()
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved[0]
+        datasets.logging.set_verbosity(saved[1])

@@ -115,3 +115,43 @@ def run_killed(*args: str, fault: str, nproc: int = 0, env: dict[str, str] | Non
         assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
     else:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+def write_datasets_cache(
+    records: list[dict],
+    cache_dir: Path,
+    name: str,
+    *,
+    subset: str = "default",
+    split: str = "train",
+) -> Path:
+    """Put `records` into the `datasets` cache `cache_dir` (what HF_DATASETS_CACHE names) as the
+    split of dataset `name` ("namespace/name"), laid out as `load_dataset(name)` leaves a Hub
+    parquet dataset there: `{namespace}___{name}/{subset}/0.0.0/{hash}/`, with the Arrow file
+    and dataset_info.json written by datasets' own parquet builder. Offline, load_dataset(name,
+    subset, split=split) then finds it, as it finds a dataset once loaded with network access.
+    Returns that directory."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    namespace, leaf = name.split("/")
+    source = cache_dir / "sources" / f"{leaf}-{subset}-{split}.parquet"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_struct_array(pa.array(records)), source)
+    builder = Parquet(
+        cache_dir=str(cache_dir),
+        dataset_name=leaf,
+        config_name=subset,
+        config_id=subset,
+        hash="0123456789abcdef",  # a Hub load puts the repository's commit here
+        data_files={split: [str(source)]},
+    )
+    builder.download_and_prepare()
+    # The builder knows no Hub repository, so it writes under the bare name; a Hub load prefixes
+    # the namespace.
+    target = cache_dir / f"{namespace}___{leaf}"
+    target.mkdir(exist_ok=True)
+    shutil.move(cache_dir / leaf / subset, target / subset)
+    shutil.rmtree(cache_dir / leaf)
+    return target / subset

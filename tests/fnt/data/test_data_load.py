@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
+from fnt.config import DataSourceConfig
 from fnt.data import DataError, SampleFate, load_corpus
 
 GOOD = json.dumps({"prompt": "p", "completion": "c"})
 
 
-def source(path: Path, name: str = "") -> SimpleNamespace:
-    return SimpleNamespace(path=str(path), weight=1.0, name=name)
+def source(path: Path, name: str = "") -> DataSourceConfig:
+    return DataSourceConfig(path=str(path), name=name)
 
 
 def write(path: Path, lines: list[str]) -> Path:
