@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from fnt.export import export_hf
 from fnt.sharded_load import SafetensorsDir
 from tests.e2e.helpers import model_weights, run_script
-from tests.e2e.tied_resume_loop import K, N, PROBE
+from tests.e2e.tied_resume_loop import PROBE, K, N
 
 LOOP = str(Path(__file__).resolve().parent / "tied_resume_loop.py")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
