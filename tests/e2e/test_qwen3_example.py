@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from fnt import tiny_model
-from fnt.config.loading import tomllib
+from fnt.config import Config, RLConfig, validate
+from fnt.config.loading import load_config, tomllib
 from fnt.data.chat import tokenize_conversation
 from fnt.export import export_hf
 from fnt.monitors import read_metrics
@@ -86,6 +87,14 @@ def test_the_shrunk_model_is_qwen3_0_6b_s_architecture_with_its_template(qwen3_d
     ids, targets = tokenize_conversation(chat, tok)
     answer = tok.decode([i for i, t in zip(ids, targets) if t])
     assert answer == "<think>\n\n</think>\n\ncba<|im_end|>"  # Qwen3's template, rendered
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_the_example_configs_are_valid_on_1_to_8_gpus(world_size):
+    """What the files' comments promise: the batch and prompt counts divide over 1-8 ranks."""
+    for config_file, cls in ((SFT, Config), (RL, RLConfig)):
+        config, _ = load_config(["--config", str(REPO / config_file)], cls)
+        validate(config, world_size)
 
 
 def file_values(config_file: str) -> dict:
