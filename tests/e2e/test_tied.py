@@ -1,6 +1,7 @@
 """Tied embeddings (Qwen3-0.6B ties its LM head to the input embedding): FSDP2 at 2 ranks keeps
 the tie through sharded loading and training, resume is exact, and the export is a tied Hugging
-Face model with the trained logits. One torchrun launch (tests/e2e/tied_resume_loop.py)."""
+Face model with the trained logits, as are the weights external RL publishes. One torchrun
+launch (tests/e2e/tied_resume_loop.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def test_tied_two_ranks_resume_exactly_and_export_tied(tiny_tied_dir, tmp_path):
     assert exported.config.tie_word_embeddings
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     assert torch.equal(exported.model.embed_tokens.weight, full[EMBED])
+    trained_logits = torch.load(tmp_path / "logits.pt")
     with torch.no_grad():
         got = exported(input_ids=PROBE).logits
-    torch.testing.assert_close(got, torch.load(tmp_path / "logits.pt"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, trained_logits, rtol=0, atol=1e-5)
+
+    # External RL's published weights: gathered from the shards, one copy per name, yet tied.
+    published = tmp_path / "published" / "weights" / f"step_{N}"
+    assert HEAD not in SafetensorsDir(published)
+    policy = AutoModelForCausalLM.from_pretrained(published)
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight
+    with torch.no_grad():
+        got = policy(input_ids=PROBE).logits
+    torch.testing.assert_close(got, trained_logits, rtol=0, atol=1e-5)

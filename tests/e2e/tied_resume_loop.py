@@ -6,11 +6,13 @@ uninterrupted, checkpointing step K and step N under OUT/full/checkpoints, then 
 restored from step K stepped to N, checkpointing under OUT/resumed/checkpoints. Each rank writes
 OUT/rank{R}.json: whether the LM head is still the embedding's parameter after sharding and
 after training, and each step's loss and grad norm. Rank 0 also saves the trained model's logits
-on a probe batch (OUT/logits.pt), gathered through FSDP2's forward, for the export check.
+on a probe batch (OUT/logits.pt), gathered through FSDP2's forward, for the export check, and
+the trained model is published as external RL publishes it (OUT/published/weights/step_N).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,6 +22,8 @@ import torch
 from fnt import fold, init_state, restore_, setup_trainer, sft_source, teardown_trainer, to_floats
 from fnt.checkpoint import save_checkpoint
 from fnt.cli import config_from_argv
+from fnt.config import RLConfig
+from fnt.rollout.external import publish_weights_
 from steps import sft_step
 
 N, K = 4, 2
@@ -60,6 +64,9 @@ def main(out: str, model_dir: str) -> None:
     report = {"tied_at_start": is_tied(state.handles.model)}
     state, report["full"] = train(state, N, out_dir / "full" / "checkpoints", {K, N})
     report["tied_after_training"] = is_tied(state.handles.model)
+    # The weights an external RL run publishes for its rollout engine (a collective).
+    publisher = [*argv, "--output-dir", str(out_dir / "published"), "--rollout.engine", "external"]
+    publish_weights_(dataclasses.replace(state, config=config_from_argv(publisher, RLConfig)))
     with torch.no_grad():
         logits = state.handles.model(input_ids=PROBE).logits  # a collective: every rank
     if runtime.is_main:
