@@ -209,12 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.moe and args.arch != "llama":
+        p.error("--moe writes a Qwen3-MoE model; --arch chooses among the dense ones")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.moe and args.arch != "llama":
-        raise SystemExit("--moe writes a Qwen3-MoE model; --arch chooses among dense ones")
     make_tiny_model(args.out, args)
     print(json.dumps({"out": str(args.out), "moe": args.moe, "arch": args.arch}))
