@@ -41,6 +41,24 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
     return model
 
 
+def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
+    """`state_dict` without the later names of a parameter the model shares (tied embeddings:
+    `lm_head.weight` is `model.embed_tokens.weight`), for `save_pretrained(state_dict=...)`.
+
+    save_pretrained drops such a name only when both entries are one tensor. A full state dict
+    gathered from FSDP2 shards holds a copy per name, so without this a tied model's directory
+    would hold its embedding twice (600 MB more for Qwen3-0.6B in float32). A tied model's files
+    hold the first name only, which from_pretrained ties back."""
+    first: dict[int, str] = {}
+    later = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            later.add(name)
+        else:
+            first[id(param)] = name
+    return {key: value for key, value in state_dict.items() if key not in later}
+
+
 def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None) -> Path:
     """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir."""
     model = load_trained_model(ckpt_dir)

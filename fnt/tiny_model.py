@@ -4,6 +4,15 @@ The directory holds a config, safetensors weights and a byte-level tokenizer wit
 so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load it
 offline, through exactly the path the trainer uses for real models. The command line is
 `fnt make-tiny-model --out DIR [options]`; the same seed and options write the same files.
+
+Architectures: a dense Llama (default), a Qwen3-MoE (`--moe`), or `--arch qwen3`: Qwen3-0.6B's
+architecture (Qwen3ForCausalLM with its config.json's fields: q/k norms, rope theta 1e6, tied
+embeddings, heads twice as wide in total as the hidden size) shrunk to the sizes given here and to
+the byte-level vocabulary, for running real-model configs on random weights. `--chat-template
+FILE` replaces the ChatML template and special tokens with a real model's (a Jinja file, or a JSON
+object such as a tokenizer_config.json with `chat_template`, `eos_token`, `pad_token`,
+`bos_token` and `additional_special_tokens`); the vocabulary stays one token per byte plus those
+special tokens.
 """
 
 from __future__ import annotations
@@ -11,10 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -28,28 +44,87 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """A tokenizer with one token per byte (256) plus the chat special tokens, and no merges."""
+# Qwen3-0.6B's config.json (huggingface.co/Qwen/Qwen3-0.6B), its architecture fields: what
+# `--arch qwen3` keeps. Sizes, vocabulary and token ids come from the command line and tokenizer.
+QWEN3_0_6B = dict(
+    attention_bias=False,
+    attention_dropout=0.0,
+    head_dim=128,
+    hidden_act="silu",
+    hidden_size=1024,
+    initializer_range=0.02,
+    intermediate_size=3072,
+    max_position_embeddings=40960,
+    max_window_layers=28,
+    num_attention_heads=16,
+    num_hidden_layers=28,
+    num_key_value_heads=8,
+    rms_norm_eps=1e-06,
+    rope_scaling=None,
+    rope_theta=1000000,
+    sliding_window=None,
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    vocab_size=151936,
+)
+# Qwen3's generation_config.json stops at <|im_end|> (the tokenizer's eos) and at <|endoftext|>.
+QWEN3_EXTRA_STOP = "<|endoftext|>"
+
+
+def byte_level_tokenizer(
+    chat_template: str = CHAT_TEMPLATE,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|pad|>",
+    bos_token: Optional[str] = None,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per byte (256) plus the special tokens (eos, pad and bos
+    among them), and no merges."""
     byte_to_char = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_to_char))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
+    named = [t for t in (eos_token, pad_token, bos_token) if t is not None]
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|pad|>",
-        bos_token=None,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        bos_token=bos_token,
         unk_token=None,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|pad|>")],
+        additional_special_tokens=[t for t in special_tokens if t not in named],
     )
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE
+    # Every special token once, in a fixed order, so that the same options give the same ids.
+    everything = list(dict.fromkeys([*special_tokens, *named]))
+    tok.add_special_tokens({"additional_special_tokens": everything})
+    tok.chat_template = chat_template
     tok.model_max_length = 4096
     return tok
 
 
+def tokenizer_from_template_file(path: Path) -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with the chat template (and special tokens) of `path`."""
+    text = path.read_text()
+    if path.suffix != ".json":
+        return byte_level_tokenizer(chat_template=text)
+    spec = json.loads(text)
+    if not isinstance(spec, dict) or not isinstance(spec.get("chat_template"), str):
+        raise SystemExit(f"--chat-template {path}: expected a JSON object with a 'chat_template'")
+    eos = _token_text(spec.get("eos_token")) or "<|im_end|>"
+    pad = _token_text(spec.get("pad_token")) or "<|pad|>"
+    bos = _token_text(spec.get("bos_token"))
+    extra = [_token_text(t) for t in spec.get("additional_special_tokens") or []]
+    return byte_level_tokenizer(spec["chat_template"], eos, pad, bos, [t for t in extra if t])
+
+
+def _token_text(token: Any) -> Optional[str]:
+    """A special token as a tokenizer_config.json writes it: a string or {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namespace):
+    """The model config: the architecture `args` selects at the sizes `args` gives."""
+    tie = args.tie if args.tie is not None else args.arch == "qwen3"
     common = dict(
         vocab_size=vocab_size,
         hidden_size=args.hidden_size,
@@ -60,8 +135,18 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namesp
         pad_token_id=pad_id,
         eos_token_id=eos_id,
         bos_token_id=None,
-        tie_word_embeddings=args.tie,
+        tie_word_embeddings=tie,
     )
+    if args.arch == "qwen3":
+        # Qwen3-0.6B's heads are 128 wide, 16 of them over a hidden size of 1024: the attention
+        # projections are twice the hidden size. The shrunk model keeps that ratio.
+        ratio = (
+            QWEN3_0_6B["head_dim"] * QWEN3_0_6B["num_attention_heads"] // QWEN3_0_6B["hidden_size"]
+        )
+        shrunk = {"head_dim": ratio * args.hidden_size // args.heads}
+        return Qwen3Config(
+            **{**QWEN3_0_6B, **common, **shrunk, "intermediate_size": args.intermediate_size}
+        )
     if args.moe:
         return Qwen3MoeConfig(
             **common,
@@ -78,10 +163,17 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namesp
 
 
 def make_tiny_model(out: Path, args: argparse.Namespace) -> None:
-    tok = byte_level_tokenizer()
+    tok = (
+        byte_level_tokenizer()
+        if args.chat_template is None
+        else tokenizer_from_template_file(args.chat_template)
+    )
     config = tiny_config(len(tok), tok.pad_token_id, tok.eos_token_id, args)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    extra_stop = tok.convert_tokens_to_ids(QWEN3_EXTRA_STOP)
+    if args.arch == "qwen3" and extra_stop is not None and extra_stop != tok.eos_token_id:
+        model.generation_config.eos_token_id = [tok.eos_token_id, extra_stop]
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -91,7 +183,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fnt make-tiny-model", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="directory to write")
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of a dense Llama")
-    p.add_argument("--tie", action="store_true", help="tie the LM head to the input embedding")
+    p.add_argument(
+        "--arch",
+        choices=("llama", "qwen3"),
+        default="llama",
+        help="dense architecture: Llama, or Qwen3-0.6B's (Qwen3ForCausalLM) shrunk to these sizes",
+    )
+    p.add_argument(
+        "--tie",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tie the LM head to the input embedding (default: tied for --arch qwen3 only)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        help="a Jinja chat template, or a JSON object with chat_template and the special tokens",
+    )
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -100,10 +209,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=4, help="experts per MoE layer (with --moe)")
     p.add_argument("--max-positions", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0, help="seed of the random initial weights")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.moe and args.arch != "llama":
+        p.error("--moe writes a Qwen3-MoE model; --arch chooses among the dense ones")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     make_tiny_model(args.out, args)
-    print(json.dumps({"out": str(args.out), "moe": args.moe}))
+    print(json.dumps({"out": str(args.out), "moe": args.moe, "arch": args.arch}))

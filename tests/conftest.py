@@ -28,3 +28,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A Qwen3-MoE model (4 experts, top-2) with the same tokenizer."""
     return make_model(tmp_path_factory.mktemp("tiny_moe") / "model", "--moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_dir(tmp_path_factory) -> Path:
+    """The dense tiny model with its LM head tied to the input embedding (`--tie`)."""
+    return make_model(tmp_path_factory.mktemp("tiny_tied") / "model", "--tie")

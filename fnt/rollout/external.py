@@ -27,6 +27,7 @@ from fnt.checkpoint import cleanup_checkpoints_
 from fnt.config import RLConfig
 from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
+from fnt.export import without_tied_duplicates
 from fnt.parallel import rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
@@ -340,7 +341,9 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
         return None
     final = weights_dir(config.output_dir, state.progress.step)
     partial = begin_dir_(final)
-    model.save_pretrained(partial, state_dict=full, safe_serialization=True)
+    model.save_pretrained(
+        partial, state_dict=without_tied_duplicates(model, full), safe_serialization=True
+    )
     load_tokenizer(config.model.name).save_pretrained(partial)
     commit_dir_(partial, final, f"step {state.progress.step}\n", replace=True)
     cleanup_checkpoints_(final.parent, config.rollout.keep_weights)

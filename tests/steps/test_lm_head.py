@@ -27,7 +27,6 @@ from fnt.setup import Runtime
 from fnt.update import accumulate_gradients_, forward_loss_tokens
 from steps.rl import rl_gradients_
 from steps.sft import sft_loss
-from tests.conftest import make_model
 from tests.e2e.helpers import run_script
 
 HERE = Path(__file__).resolve().parent
@@ -255,14 +254,9 @@ def test_no_tensor_of_all_the_logits_exists_in_forward_or_backward(step):
     assert largest(chunk) <= chunk * big_v < T * big_v
 
 
-@pytest.fixture(scope="module")
-def tied_model_dir(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("tied") / "model", "--tie")
-
-
-def test_chunked_equals_full_logits_at_two_ranks(tiny_model_dir, tied_model_dir, tmp_path):
+def test_chunked_equals_full_logits_at_two_ranks(tiny_model_dir, tiny_tied_dir, tmp_path):
     script = str(HERE / "lm_head_loop.py")
-    run_script(script, str(tmp_path), str(tiny_model_dir), str(tied_model_dir), nproc=2)
+    run_script(script, str(tmp_path), str(tiny_model_dir), str(tiny_tied_dir), nproc=2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     cases = {(c["model"], c["loss"], c["poisoned"]) for c in results[0]["cases"]}
     assert len(cases) == 2 * 2 * 2
