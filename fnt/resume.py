@@ -174,6 +174,14 @@ RESUME_POLICY: dict[str, Policy] = {
     "data.sources": FIXED,  # the data position counts samples of these sources
     "data.overlong": FIXED,  # changes which samples exist
     "data.shuffle": FIXED,  # changes the sample order
+    "data.loss_mask": FIXED,  # which tokens are targets, and so which samples are usable
+    "data.train_turns": FIXED,  # how many samples a chat gives
+    "data.train_reasoning": FIXED,  # which tokens are targets
+    "data.chat_template": FIXED,  # the tokens of every sample
+    "val.sources": MAY_CHANGE,  # validation reads, never trains
+    "val.prompts": MAY_CHANGE,
+    "val.interval": MAY_CHANGE,
+    "val.eval_on_start": MAY_CHANGE,
     "ckpt.interval": MAY_CHANGE,
     "ckpt.keep_last": MAY_CHANGE,
     "ckpt.save_final": MAY_CHANGE,
@@ -193,7 +201,18 @@ RESUME_POLICY: dict[str, Policy] = {
     "runtime.preempt_exit_code": MAY_CHANGE,
     "loss.eps_low": MAY_CHANGE,
     "loss.eps_high": MAY_CHANGE,
+    "loss.kind": MAY_CHANGE,  # the loss shapes the updates to come, not the saved state
+    "loss.aggregation": MAY_CHANGE,
+    "loss.custom": MAY_CHANGE,
+    "loss.dppo_mask_low": MAY_CHANGE,
+    "loss.dppo_mask_high": MAY_CHANGE,
+    "loss.ipo_threshold": MAY_CHANGE,
+    "loss.gspo_eps_low": MAY_CHANGE,
+    "loss.gspo_eps_high": MAY_CHANGE,
     "loss.kl_tau": MAY_CHANGE,
+    "loss.ref_kl_tau": MAY_CHANGE,
+    "loss.ref_model": MAY_CHANGE,  # rebuilt from its directory at every start
+    "loss.ref_source": MAY_CHANGE,
     "rollout.engine": FIXED,  # where the batches come from
     "rollout.prompts": FIXED,  # the data
     "rollout.prompts_per_step": FIXED,  # the batch
@@ -204,6 +223,8 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.std_normalize": MAY_CHANGE,
     "rollout.timeout_s": MAY_CHANGE,
     "rollout.keep_weights": MAY_CHANGE,
+    "rollout.on_bad_reward": MAY_CHANGE,
+    "rollout.async_level": FIXED,  # which policy sampled each step's rollouts
 }
 
 

@@ -29,7 +29,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 from torch import nn
@@ -191,20 +191,25 @@ def validation_loss_sums(
 
 
 def greedy_answers(
-    model: nn.Module, prompts: Sequence[Prompt], *, max_new_tokens: int, eos_token_id: int
+    model: nn.Module,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Collection[int],
 ) -> list[tuple[int, ...]]:
-    """The greedy answer's token ids to each prompt: the one place validation generates."""
-    return [
-        generate(
-            model,
-            prompt.token_ids,
-            num_samples=1,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_token_id,
-            greedy=True,
-        )[0].token_ids
-        for prompt in prompts
-    ]
+    """The greedy answer's token ids to each prompt, all prompts decoded in one batch: the one
+    place validation generates."""
+    if not prompts:
+        return []
+    groups = generate(
+        model,
+        [prompt.token_ids for prompt in prompts],
+        num_samples=1,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        greedy=True,
+    )
+    return [completions[0].token_ids for completions in groups]
 
 
 def answer_reward(text: str, prompt: Prompt, data: ValData, config: RLConfig) -> float:
@@ -237,7 +242,7 @@ def validation_reward_sums(
         engine.model,
         mine,
         max_new_tokens=config.rollout.max_new_tokens,
-        eos_token_id=data.tokenizer.eos_token_id,
+        stop_token_ids=engine.stop_token_ids,
     )
     total = 0.0
     for prompt, ids in zip(mine, answers):

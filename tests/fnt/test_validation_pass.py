@@ -30,6 +30,7 @@ from fnt.rewards import ascii_letters
 from fnt.rollout.generate import generate
 from fnt.rollout.prompts import load_prompts
 from fnt.setup import setup_trainer
+from fnt.tokenizer import stop_token_ids
 from fnt.validation_pass import Validation, is_due, loss_metrics, pack_in_order, rank_rows
 from steps import rl_step, sft_step
 
@@ -187,12 +188,13 @@ def test_rl_validation_scores_greedy_answers_of_the_policy(tiny_model_dir, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rewards = []
     for prompt in load_prompts(prompts, tokenizer):
-        (answer,) = generate(
+        # One prompt at a time, with the stop tokens of the model directory.
+        ((answer,),) = generate(
             model,
-            prompt.token_ids,
+            [prompt.token_ids],
             num_samples=1,
             max_new_tokens=6,
-            eos_token_id=tokenizer.eos_token_id,
+            stop_token_ids=stop_token_ids(tokenizer, tiny_model_dir),
             greedy=True,
         )
         rewards.append(
