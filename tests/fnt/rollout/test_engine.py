@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
+import shutil
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
@@ -320,3 +323,20 @@ def test_a_source_cannot_run_ahead_of_the_fold(policy_dir, prompts_file):
     with pytest.raises(StaleStateError):
         rl_source(state)  # the consumed state cannot produce another batch
     assert rl_source(stepped).data_after != batch.data_after
+
+
+def test_the_engine_stops_generation_at_every_stop_token_of_the_model(
+    policy_dir, prompts_file, tmp_path
+):
+    # generation_config.json lists a second end token besides the tokenizer's eos (as models
+    # with an end-of-turn token distinct from end-of-text do); generation must stop at it too.
+    model_dir = tmp_path / "model"
+    shutil.copytree(policy_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    other = tokenizer.convert_tokens_to_ids("a")
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = [tokenizer.eos_token_id, other]
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    config = rl_config(model_dir, prompts_file)
+    engine = InProcessEngine(config, setup_trainer(config))
+    assert {tokenizer.eos_token_id, other} <= engine.stop_token_ids
