@@ -32,6 +32,7 @@ def run_json(*args: str, timeout: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_throughput_run_works_at_a_tiny_shape(tmp_path):
     result = run_json(
         "scripts/bench_throughput.py",

@@ -55,6 +55,7 @@ def sft_args(model_dir, out, *extra):
     return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
 
 
+@pytest.mark.slow
 def test_bf16_compute_at_two_ranks_tracks_fp32_and_resumes_exactly(tiny_model_dir, tmp_path):
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     run_script("sft.py", *sft_args(tiny_model_dir, fp32), nproc=2)
@@ -70,7 +71,7 @@ def test_bf16_compute_at_two_ranks_tracks_fp32_and_resumes_exactly(tiny_model_di
     assert_resumed_run_matches(bf16, resumed, K, N, ("loss/mean", "optim/grad_norm"), tmp_path)
 
 
-@pytest.mark.parametrize("first", ["bfloat16", "float32"])
+@pytest.mark.parametrize("first", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_a_run_switches_compute_dtype_on_resume(tiny_model_dir, tmp_path, first):
     second = "float32" if first == "bfloat16" else "bfloat16"
     out = tmp_path / "run"

@@ -66,6 +66,7 @@ def test_bfloat16_export_is_the_rounded_trained_model(trained, tmp_path):
     torch.testing.assert_close(got, logits, rtol=0.05, atol=0.1)
 
 
+@pytest.mark.slow  # 2-rank export is also in tests/e2e/test_tied.py
 def test_a_two_rank_checkpoint_exports(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     run_script(

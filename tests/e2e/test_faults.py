@@ -58,9 +58,9 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
 
 
 FAULTS = [
-    pytest.param("step@5", 0, id="after-the-update-before-the-row"),
+    pytest.param("step@5", 0, id="after-the-update-before-the-row", marks=pytest.mark.slow),
     pytest.param("row@4", 0, id="after-the-row-before-the-checkpoint"),
-    pytest.param("wandb@3", 0, id="inside-wandb-log"),
+    pytest.param("wandb@3", 0, id="inside-wandb-log", marks=pytest.mark.slow),
     # The save phases at 1 rank are in test_resume.py; here the other rank dies.
     pytest.param("shards@4:1", 2, id="rank1-shards", marks=pytest.mark.slow),
     pytest.param("step@5:1", 2, id="rank1-after-the-update", marks=pytest.mark.slow),

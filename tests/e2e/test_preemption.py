@@ -51,8 +51,11 @@ def wait_for_rows(path: Path, rows: int, proc: subprocess.Popen, timeout: float 
 
 @pytest.mark.parametrize(
     ("nproc", "sig", "code"),
-    [(0, signal.SIGTERM, 143), (0, signal.SIGUSR1, 99), (2, signal.SIGTERM, 143)],
-    ids=["1rank", "1rank-SIGUSR1-code99", "2ranks"],
+    [
+        pytest.param(0, signal.SIGTERM, 143, id="1rank"),
+        pytest.param(0, signal.SIGUSR1, 99, id="1rank-SIGUSR1-code99", marks=pytest.mark.slow),
+        pytest.param(2, signal.SIGTERM, 143, id="2ranks", marks=pytest.mark.slow),
+    ],
 )
 def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
     tiny_model_dir, tmp_path, nproc, sig, code

@@ -17,9 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from fnt import tiny_model
 from fnt.config import Config, RLConfig, validate
 from fnt.config.loading import load_config, tomllib
-from fnt.data.chat import tokenize_conversation
+from fnt.data.chat import ChatMasking, tokenize_conversation
 from fnt.export import export_hf
 from fnt.monitors import read_metrics
+from fnt.tokenizer import stop_token_ids
 from tests.e2e.helpers import REPO, config_args, run_script
 
 FIXTURE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.json"
@@ -84,9 +85,11 @@ def test_the_shrunk_model_is_qwen3_0_6b_s_architecture_with_its_template(qwen3_d
     stops = json.loads((qwen3_dir / "generation_config.json").read_text())["eos_token_id"]
     assert stops == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     chat = [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]
-    ids, targets = tokenize_conversation(chat, tok)
+    masking = ChatMasking(stop_ids=stop_token_ids(tok, qwen3_dir))
+    ((ids, targets),) = tokenize_conversation(chat, tok, masking)
     answer = tok.decode([i for i, t in zip(ids, targets) if t])
-    assert answer == "<think>\n\n</think>\n\ncba<|im_end|>"  # Qwen3's template, rendered
+    # Qwen3's template renders an empty think block, which the model did not write.
+    assert "<think>\n\n</think>\n\n" in tok.decode(ids) and answer == "cba<|im_end|>"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])

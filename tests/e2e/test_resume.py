@@ -39,7 +39,9 @@ def args(model_dir, out, *extra):
     return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
 
 
-@pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
+@pytest.mark.parametrize(
+    "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
 def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     full = tmp_path / "full"
     run_script("sft.py", *args(tiny_model_dir, full, "--ckpt.interval", str(K)), nproc=nproc)
@@ -51,7 +53,7 @@ def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
-@pytest.mark.parametrize("phase", ["shards", "marker"])
+@pytest.mark.parametrize("phase", ["shards", pytest.param("marker", marks=pytest.mark.slow)])
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
     tiny_model_dir, tmp_path, phase
 ):

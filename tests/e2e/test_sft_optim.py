@@ -47,6 +47,7 @@ def test_native_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nat
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
+@pytest.mark.slow
 def test_two_ranks_offload_full_then_state_match_one_rank(tiny_model_dir, tmp_path, native_run):
     # FSDP2 with CPUOffloadPolicy and a float32 MixedPrecisionPolicy on a CPU gloo mesh, saved
     # at K and resumed with offload state (no mixed-precision policy): the same training.

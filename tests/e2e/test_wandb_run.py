@@ -11,7 +11,9 @@ from tests.e2e.helpers import REPO, config_args, run_script
 SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"
 
 
-@pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
+@pytest.mark.parametrize(
+    "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
 def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_path, nproc):
     # At 2 ranks a rank 0 held up by W&B would also leave rank 1 waiting in its collectives.
     out = tmp_path / "run"

@@ -34,7 +34,7 @@ def tied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_sharded_loading_equals_from_pretrained(
     tiny_model_dir, tied_model_dir, tiny_moe_dir, tmp_path, nproc
 ):

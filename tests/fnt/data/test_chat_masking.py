@@ -7,6 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from fnt.config import DataSourceConfig
 from fnt.data import load_corpus
 from fnt.data.chat import ChatMasking, has_generation_blocks, tokenize_conversation
 from fnt.errors import DataError
@@ -129,11 +130,8 @@ def test_an_unmaskable_chat_names_its_file_and_line(chatml, tmp_path):
         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
     )
 
-    class Source:
-        weight, name = 1.0, ""
-
-    Source.path = str(path)
+    source = DataSourceConfig(path=str(path))
     with pytest.raises(DataError, match=rf"{path}, line 2: messages\[1\]: .*cannot be located"):
         load_corpus(
-            [Source()], chatml, seq_len=64, overlong="truncate", masking=masking(chatml, template)
+            [source], chatml, seq_len=64, overlong="truncate", masking=masking(chatml, template)
         )

@@ -251,7 +251,7 @@ def test_fitted_rows_give_the_loss_and_gradients_of_rows_of_seq_len(eval_model):
     fitted = pack_rollouts(samples, **settings_)
     assert {mb.rows.input_ids.shape[1] for mb in fitted} != {128}
     model = eval_model.train()
-    loss_config = RLLossConfig(eps_low=0.2, eps_high=0.28, kl_tau=0.1)
+    loss_config = RLLossConfig(kind="ratio", eps_low=0.2, eps_high=0.28, kl_tau=0.1)
     want, want_grads = rl_grads(model, fixed, loss_config)
     got, got_grads = rl_grads(model, fitted, loss_config)
     assert got.loss_tokens == want.loss_tokens > 0
