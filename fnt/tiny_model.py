@@ -3,7 +3,8 @@
 The directory holds a config, safetensors weights and a byte-level tokenizer with a chat template,
 so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load it
 offline, through exactly the path the trainer uses for real models. The command line is
-`fnt make-tiny-model --out DIR [options]`; the same seed and options write the same files.
+`fnt make-tiny-model --out DIR [options]`; the same seed and options write the same files, on
+any machine (`portable_init_`).
 
 Architectures: a dense Llama (default), a Qwen3-MoE (`--moe`), or `--arch qwen3`: Qwen3-0.6B's
 architecture (Qwen3ForCausalLM with its config.json's fields: q/k norms, rope theta 1e6, tied
@@ -162,6 +163,25 @@ def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namesp
     return LlamaConfig(**common, intermediate_size=args.intermediate_size)
 
 
+def portable_init_(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Give every weight matrix (every parameter of two or more dimensions) uniform values of
+    standard deviation `std`, drawn from `seed` alone; the vectors (norm weights, biases) keep
+    the constant values the model was built with.
+
+    Hugging Face's normal init goes through torch's CPU normal sampler, whose log/cos run in other
+    kernels (and round differently) on other CPUs: the "same" tiny model then differs in the last
+    bits from machine to machine, and so does every number trained from it. Uniform values are
+    random integers scaled by exactly rounded float64 operations, the same bits everywhere.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    half_width = std * 3**0.5  # a uniform on [-a, a] has standard deviation a / sqrt(3)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):  # tied weights appear once
+            if param.dim() >= 2:
+                unit = torch.rand(param.shape, dtype=torch.float64, generator=generator)
+                param.copy_((unit * 2 - 1) * half_width)
+
+
 def make_tiny_model(out: Path, args: argparse.Namespace) -> None:
     tok = (
         byte_level_tokenizer()
@@ -171,6 +191,7 @@ def make_tiny_model(out: Path, args: argparse.Namespace) -> None:
     config = tiny_config(len(tok), tok.pad_token_id, tok.eos_token_id, args)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    portable_init_(model, config.initializer_range, args.seed)
     extra_stop = tok.convert_tokens_to_ids(QWEN3_EXTRA_STOP)
     if args.arch == "qwen3" and extra_stop is not None and extra_stop != tok.eos_token_id:
         model.generation_config.eos_token_id = [tok.eos_token_id, extra_stop]

@@ -19,6 +19,7 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    run_cli,
     run_script,
 )
 
@@ -40,8 +41,12 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
     on_policy = rl_config(policy_dir, prompts_file)
     # The ratio loss: on-policy, the default loss's Δp masks nothing and its penalty is ~0, so an
     # update can round to no change in float32; the ratio loss moves every step's weights.
+    # Seed 0: step 1 has rewards to learn from, so the policies after steps 0 and 1 differ.
     on_policy = dataclasses.replace(
-        on_policy, output_dir=str(tmp_path), loss=dataclasses.replace(on_policy.loss, kind="ratio")
+        on_policy,
+        seed=0,
+        output_dir=str(tmp_path),
+        loss=dataclasses.replace(on_policy.loss, kind="ratio"),
     )
     config = dataclasses.replace(
         on_policy, rollout=dataclasses.replace(on_policy.rollout, async_level=1)
@@ -95,6 +100,7 @@ EXACT = ("reward/mean", "reward/std", "loss/mean", "optim/grad_norm", "rollout/s
 @pytest.mark.parametrize(
     "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
 )
+@pytest.mark.numerics
 def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
     def args(out, *extra):
         return config_args(
@@ -110,13 +116,19 @@ def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
             *extra,
         )
 
+    def rl(*extra):
+        if nproc:
+            run_script("rl.py", *args(*extra), nproc=nproc)
+        else:
+            run_cli("rl", *args(*extra))
+
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_script("rl.py", *args(full, "--ckpt.interval", "2"), nproc=nproc)
+    rl(full, "--ckpt.interval", "2")
     rows = read_metrics(full)
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     copy_crashed_run(full, resumed, 2)
     # What a crash right after checkpoint step_2 leaves: the policies written before it; the
     # resumed run's next rollouts (update 3) need the one after step 1.
     shutil.copytree(full / POLICY_DIR / "step_1", resumed / POLICY_DIR / "step_1")
-    run_script("rl.py", *args(resumed, "--resume", "latest"), nproc=nproc)
+    rl(resumed, "--resume", "latest")
     assert_resumed_run_matches(full, resumed, 2, STEPS, EXACT, tmp_path)
