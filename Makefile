@@ -4,9 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo test test-slow bench lint clean
+.PHONY: setup demo test test-slow test-numerics bench lint clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/.native
 
 # The CPU build of torch is installed first where no torch is present, so that the range in
 # pyproject.toml (torch>=2.6) never pulls the multi-GB CUDA build on a CPU machine.
@@ -17,8 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# The native CPU AdamW kernel, compiled into its cache now rather than by the first test or run
+# that uses it (it takes about 20 s); rebuilt when its source changes.
+$(VENV)/.native: $(VENV)/.installed fnt/native/adamw.cpp fnt/native/build.py
+	$(PY) -c "from fnt.native.build import load; load()"
+	touch $@
+
 # The reverse-text demo: tiny model, SFT, RL, with held-out evals; its last line is JSON.
-demo: setup
+demo: $(VENV)/.installed
 	$(PY) examples/reverse_text/demo.py --runs $(RUNS)
 
 test: setup
@@ -26,6 +32,12 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The tests that compare floating-point results, under another CPU kernel family than this
+# machine's best (docs/design.md, "Tests"): CAPABILITY=default|avx2|avx512.
+CAPABILITY ?= default
+test-numerics: setup
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not slow and not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check fnt steps scripts tests

@@ -46,6 +46,9 @@ class Runtime:
     num_threads: int
     offload: OffloadPlan
     """How the model and optimizer state are offloaded (fnt.optim.setup.offload_plan)."""
+    owns_process_group: bool = False
+    """Whether setup_trainer created the process group (teardown_trainer destroys only that one;
+    a group the caller made before stays theirs)."""
 
     @property
     def dp_rank(self) -> int:
@@ -99,6 +102,7 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
     torch.set_float32_matmul_precision(config.runtime.matmul_precision)
 
     mesh = None
+    owns_process_group = False
     if launched:
         # Free unreachable objects while the interpreter is still whole: FSDP2 modules form
         # reference cycles, so a model dropped at the end of main() is only collected during
@@ -107,6 +111,7 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
         # in ten. atexit handlers run before that shutdown.
         atexit.register(gc.collect)
         if not dist.is_initialized():
+            owns_process_group = True
             # On CUDA, gloo serves the collectives over CPU tensors (e.g. the gradient norm of
             # CPU-offloaded shards); nccl serves everything on the GPU.
             dist.init_process_group(
@@ -132,10 +137,12 @@ def setup_trainer(config: Config, seq_len: Optional[int] = None) -> Runtime:
         mesh=mesh,
         num_threads=num_threads,
         offload=plan,
+        owns_process_group=owns_process_group,
     )
 
 
 def teardown_trainer(runtime: Runtime) -> None:
-    """Destroy the process group set up by setup_trainer, if any."""
-    if runtime.distributed and dist.is_initialized():
+    """Destroy the process group that setup_trainer created, if any. A group that was there
+    before (made by the caller, who may run several trainings in it) is left as it is."""
+    if runtime.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -68,6 +68,45 @@ def run_script(
     return proc
 
 
+def run_cli(command: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`fnt COMMAND ARGS` in this process: the command line's whole path (parsing, preflight,
+    the driver, the exit status of bad input) without a new interpreter, whose imports cost
+    seconds where a tiny run costs a fraction of one. Results are bit-identical to a subprocess
+    run's (the run sets its own thread count). Tests that kill, signal, launch ranks or change
+    the environment of imports use `run_script` instead.
+
+    Returns what `run_script` returns: the exit status (0, the SystemExit code, or 1 for an
+    exception, whose traceback then ends stderr when check is false), stdout and stderr.
+    """
+    import contextlib
+    import io
+    import traceback
+
+    from fnt.__main__ import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main([command, *args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:
+            if check:
+                raise
+            code = 1
+            traceback.print_exc()
+    proc = subprocess.CompletedProcess(
+        ["fnt", command, *args], code, stdout.getvalue(), stderr.getvalue()
+    )
+    if check and code != 0:
+        raise AssertionError(
+            f"fnt {command} {' '.join(args)} exited {code}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
 def config_args(config: str, model_dir, out, *extra: str) -> tuple[str, ...]:
     """`--config CONFIG --model.name MODEL --output-dir OUT` plus extra arguments."""
     return ("--config", config, "--model.name", str(model_dir), "--output-dir", str(out), *extra)

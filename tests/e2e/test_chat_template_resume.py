@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fnt.monitors import read_metrics
 from tests.chat_fixtures import load_fixture
-from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_script
+from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_cli
 
 N, K = 4, 2
 EXACT_KEYS = ("loss/mean", "optim/grad_norm", "progress/num_samples", "progress/num_tokens")
@@ -26,6 +28,7 @@ def write_chats(path, count: int) -> None:
             fh.write(json.dumps({"messages": messages}) + "\n")
 
 
+@pytest.mark.numerics
 def test_a_multi_turn_qwen3_template_run_trains_and_resumes_exactly(tiny_model_dir, tmp_path):
     template = tmp_path / "qwen3.jinja"
     template.write_text(load_fixture("qwen3")["chat_template"])
@@ -53,10 +56,10 @@ def test_a_multi_turn_qwen3_template_run_trains_and_resumes_exactly(tiny_model_d
         )
 
     full = tmp_path / "full"
-    run_script("sft.py", *args(full, "--ckpt.interval", str(K)))
+    run_cli("sft", *args(full, "--ckpt.interval", str(K)))
     rows = read_metrics(full)
     assert rows[-1]["loss/mean"] < rows[0]["loss/mean"]  # it trains
     resumed = tmp_path / "resumed"
     copy_crashed_run(full, resumed, K)
-    run_script("sft.py", *args(resumed, "--resume", "latest"))
+    run_cli("sft", *args(resumed, "--resume", "latest"))
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)

@@ -17,6 +17,7 @@ from tests.e2e.helpers import (
     config_args,
     copy_crashed_run,
     model_weights,
+    run_cli,
     run_script,
 )
 
@@ -75,13 +76,13 @@ def test_bf16_compute_at_two_ranks_tracks_fp32_and_resumes_exactly(tiny_model_di
 def test_a_run_switches_compute_dtype_on_resume(tiny_model_dir, tmp_path, first):
     second = "float32" if first == "bfloat16" else "bfloat16"
     out = tmp_path / "run"
-    run_script(
-        "sft.py",
+    run_cli(
+        "sft",
         *sft_args(tiny_model_dir, out, "--max-steps", str(K), "--model.compute-dtype", first),
     )
     saved = model_weights(out / "checkpoints" / f"step_{K}", tmp_path)
-    run_script(
-        "sft.py",
+    run_cli(
+        "sft",
         *sft_args(tiny_model_dir, out, "--resume", "latest", "--model.compute-dtype", second),
     )
     rows = read_metrics(out)

@@ -10,7 +10,7 @@ from fnt.checkpoint import save_checkpoint
 from fnt.data.synthetic import synthetic_rows
 from fnt.loop import fold
 from steps.sft import sft_step
-from tests.e2e.helpers import run_script
+from tests.e2e.helpers import run_cli, run_script
 from tests.steps.test_sft import batch_of, make_state
 
 
@@ -39,7 +39,7 @@ def trained(tiny_model_dir, tmp_path_factory):
 
 def test_float32_export_has_the_trained_logits(trained, tmp_path):
     ckpt, probe, logits, _ = trained
-    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
+    run_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=probe).logits, logits, rtol=0, atol=1e-6)
@@ -48,8 +48,8 @@ def test_float32_export_has_the_trained_logits(trained, tmp_path):
 
 def test_bfloat16_export_is_the_rounded_trained_model(trained, tmp_path):
     ckpt, probe, logits, model = trained
-    run_script(
-        "export_hf.py",
+    run_cli(
+        "export",
         "--checkpoint",
         str(ckpt),
         "--out",
@@ -83,7 +83,7 @@ def test_a_two_rank_checkpoint_exports(tiny_model_dir, tmp_path):
     )
     ckpt = out / "checkpoints" / "step_1"
     assert len(list(ckpt.glob("*.distcp"))) == 2
-    run_script("export_hf.py", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
+    run_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     changed = [

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from fnt.errors import DataError
 from fnt.monitors import read_metrics
 from fnt.rollout.external import parse_sample, rank_samples
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import REPO, config_args, run_cli, run_script
 
 STEPS = 3
 
@@ -38,7 +38,9 @@ def rl_args(model_dir, out, *extra):
     )
 
 
-@pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
+@pytest.mark.parametrize(
+    "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+)
 def test_trainer_and_orchestrator_exchange_rollouts_and_weights(tiny_model_dir, tmp_path, nproc):
     out = tmp_path / "run"
     orchestrator = subprocess.Popen(
@@ -57,7 +59,10 @@ def test_trainer_and_orchestrator_exchange_rollouts_and_weights(tiny_model_dir, 
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
-        run_script("rl.py", *rl_args(tiny_model_dir, out), nproc=nproc)
+        if nproc:
+            run_script("rl.py", *rl_args(tiny_model_dir, out), nproc=nproc)
+        else:
+            run_cli("rl", *rl_args(tiny_model_dir, out))
         stdout, stderr = orchestrator.communicate(timeout=120)
     finally:
         orchestrator.kill()
@@ -87,8 +92,8 @@ def test_trainer_and_orchestrator_exchange_rollouts_and_weights(tiny_model_dir, 
 
 
 def test_missing_rollouts_time_out_with_a_clear_error(tiny_model_dir, tmp_path):
-    proc = run_script(
-        "rl.py", *rl_args(tiny_model_dir, tmp_path / "run", "--rollout.timeout-s", "1"), check=False
+    proc = run_cli(
+        "rl", *rl_args(tiny_model_dir, tmp_path / "run", "--rollout.timeout-s", "1"), check=False
     )
     assert proc.returncode != 0
     assert "no rollouts after 1 s" in proc.stderr and "rollouts/step_1/COMPLETE" in proc.stderr

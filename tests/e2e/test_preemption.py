@@ -15,7 +15,16 @@ import pytest
 
 from fnt.monitors import METRICS_FILE, read_metrics
 from fnt.resume import resolve_resume_step
-from tests.e2e.helpers import REPO, TORCHRUN, assert_resumed_run_matches, config_args, run_script
+from tests.e2e.helpers import (
+    REPO,
+    TORCHRUN,
+    assert_resumed_run_matches,
+    config_args,
+    run_cli,
+    run_script,
+)
+
+pytestmark = pytest.mark.numerics
 
 # Many more steps than the signal needs to land: the run must still be training when it does.
 N, K = 40, 2
@@ -60,8 +69,14 @@ def wait_for_rows(path: Path, rows: int, proc: subprocess.Popen, timeout: float 
 def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
     tiny_model_dir, tmp_path, nproc, sig, code
 ):
+    def sft(*extra):
+        if nproc:
+            run_script("sft.py", *args(tiny_model_dir, *extra), nproc=nproc)
+        else:
+            run_cli("sft", *args(tiny_model_dir, *extra))
+
     full = tmp_path / "full"
-    run_script("sft.py", *args(tiny_model_dir, full), nproc=nproc)
+    sft(full)
 
     out = tmp_path / "preempted"
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
@@ -105,5 +120,5 @@ def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
     assert resolve_resume_step("latest", out / "checkpoints") == last
     assert f"stopped after checkpointing step {last}, exit status {code}" in stdout
 
-    run_script("sft.py", *args(tiny_model_dir, out, "--resume", "latest"), nproc=nproc)
+    sft(out, "--resume", "latest")
     assert_resumed_run_matches(full, out, last, N, EXACT_KEYS, tmp_path)

@@ -21,7 +21,7 @@ from fnt.data.chat import ChatMasking, tokenize_conversation
 from fnt.export import export_hf
 from fnt.monitors import read_metrics
 from fnt.tokenizer import stop_token_ids
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import REPO, config_args, run_cli
 
 FIXTURE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.json"
 SFT, RL = "examples/qwen3/sft.toml", "examples/qwen3/rl.toml"
@@ -133,7 +133,7 @@ def test_the_qwen3_example_configs_run_on_the_shrunk_model(qwen3_dir, reverse_da
     sft_out, rl_out = tmp_path / "sft", tmp_path / "rl"
     sources = json.dumps([{"path": str(reverse_data / "sft.jsonl")}])
     small = ("--seq-len", SEQ_LEN, "--max-steps", str(STEPS))
-    run_script("sft.py", *config_args(SFT, qwen3_dir, sft_out, *small, "--data.sources", sources))
+    run_cli("sft", *config_args(SFT, qwen3_dir, sft_out, *small, "--data.sources", sources))
     overridden = {"model.name", "output_dir", "seq_len", "max_steps", "data.sources"}
     rows = assert_ran_as_written(sft_out, SFT, overridden)
     assert rows[0]["optim/lr"] == pytest.approx(1e-5 / 8)  # warmup step 1 of 8
@@ -155,7 +155,7 @@ def test_the_qwen3_example_configs_run_on_the_shrunk_model(qwen3_dir, reverse_da
         "--rollout.max-new-tokens",
         "12",
     )
-    run_script("rl.py", *config_args(RL, hf, rl_out, *small, *rollout))
+    run_cli("rl", *config_args(RL, hf, rl_out, *small, *rollout))
     overridden |= {"rollout.prompts", "rollout.prompts_per_step", "rollout.group_size"}
     overridden |= {"rollout.max_new_tokens"}
     rows = assert_ran_as_written(rl_out, RL, overridden)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fnt import Config, ConfigError, ModelConfig, fold, init_state, run, sft_source
-from fnt.config import OptimConfig, load_config
+from fnt import Config, ConfigError, ModelConfig, fold, init_state, sft_source
+from fnt.config import OptimConfig
 from fnt.loop import save_state, start_state
 from fnt.monitors import read_metrics
 from fnt.resume import ABANDONED_DIR, COMPLETE_MARKER, resolve_resume_step
@@ -21,9 +21,12 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    run_cli,
     run_killed,
     run_script,
 )
+
+pytestmark = pytest.mark.numerics
 
 N, K = 6, 3
 EXACT_KEYS = (
@@ -43,13 +46,18 @@ def args(model_dir, out, *extra):
     "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
 )
 def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
-    full = tmp_path / "full"
-    run_script("sft.py", *args(tiny_model_dir, full, "--ckpt.interval", str(K)), nproc=nproc)
+    def sft(*extra):
+        if nproc:
+            run_script("sft.py", *args(tiny_model_dir, *extra), nproc=nproc)
+        else:
+            run_cli("sft", *args(tiny_model_dir, *extra))
 
+    full = tmp_path / "full"
+    sft(full, "--ckpt.interval", str(K))
     # A crashed run: its checkpoint at K, and metrics rows it had written beyond K.
     resumed = tmp_path / "resumed"
     copy_crashed_run(full, resumed, K)
-    run_script("sft.py", *args(tiny_model_dir, resumed, "--resume", "latest"), nproc=nproc)
+    sft(resumed, "--resume", "latest")
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
@@ -62,7 +70,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(
     assert (out / "checkpoints" / "step_4.partial").is_dir()  # the save really was under way
     assert resolve_resume_step("latest", out / "checkpoints") == 2
 
-    run_script("sft.py", *args(tiny_model_dir, out, "--ckpt.interval", "2", "--resume", "latest"))
+    run_cli("sft", *args(tiny_model_dir, out, "--ckpt.interval", "2", "--resume", "latest"))
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, N + 1))
     assert resolve_resume_step("latest", out / "checkpoints") == N
@@ -75,7 +83,7 @@ KEEP_ONE = ("--ckpt.interval", "2", "--ckpt.keep-last", "1")
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    run_script("sft.py", *args(tiny_model_dir, out, *KEEP_ONE))
+    run_cli("sft", *args(tiny_model_dir, out, *KEEP_ONE))
     return out
 
 
@@ -93,7 +101,7 @@ def test_sigkill_after_a_commit_keeps_every_row_exactly_once(
     assert resolve_resume_step("latest", out / "checkpoints") == 4
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
-    run_script("sft.py", *args(tiny_model_dir, out, *KEEP_ONE, "--resume", "latest"))
+    run_cli("sft", *args(tiny_model_dir, out, *KEEP_ONE, "--resume", "latest"))
     # The interrupted delete of step_2 was finished: only the kept checkpoint is left.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{N}"]
     assert_resumed_run_matches(uninterrupted, out, 4, N, EXACT_KEYS, tmp_path)
@@ -103,14 +111,14 @@ def test_resume_from_an_older_step_forks_and_keeps_the_old_trajectory_aside(
     tiny_model_dir, tmp_path
 ):
     full = tmp_path / "full"
-    run_script("sft.py", *args(tiny_model_dir, full, "--ckpt.interval", "2"))
+    run_cli("sft", *args(tiny_model_dir, full, "--ckpt.interval", "2"))
 
     # The same directory resumed at step 2: newer checkpoints and an unfinished save are there.
     forked = tmp_path / "forked"
     shutil.copytree(full, forked)
     (forked / "checkpoints" / "step_5.partial").mkdir()
-    proc = run_script(
-        "sft.py",
+    proc = run_cli(
+        "sft",
         *args(tiny_model_dir, forked, "--ckpt.interval", "2", "--ckpt.keep-last", "2"),
         "--resume",
         "2",
@@ -149,8 +157,7 @@ def saved_optimizer_groups(ckpt_dir, tmp_path):
 
 def test_a_resume_refuses_a_changed_seed_and_uses_a_changed_weight_decay(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    first, _ = load_config(list(args(tiny_model_dir, out, "--max-steps", "1")))
-    run(first, sft_step, sft_source)  # in process: the same run as the script's, cheaper
+    run_cli("sft", *args(tiny_model_dir, out, "--max-steps", "1"))
     ckpt = out / "checkpoints"
     assert json.loads((ckpt / "step_1" / "config.json").read_text())["seed"] == 0
 
@@ -164,7 +171,7 @@ def test_a_resume_refuses_a_changed_seed_and_uses_a_changed_weight_decay(tiny_mo
         "--optim.weight-decay",
         "0.5",
     )
-    refused = run_script("sft.py", *args(tiny_model_dir, out, *changed), check=False)
+    refused = run_cli("sft", *args(tiny_model_dir, out, *changed), check=False)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
     error = refused.stderr.strip().splitlines()[-1]
@@ -172,7 +179,7 @@ def test_a_resume_refuses_a_changed_seed_and_uses_a_changed_weight_decay(tiny_mo
     assert "weight_decay" not in error and "--resume.force" in error
     assert [r["step"] for r in read_metrics(out)] == [1]  # nothing ran
 
-    forced = run_script("sft.py", *args(tiny_model_dir, out, *changed, "--resume.force"))
+    forced = run_cli("sft", *args(tiny_model_dir, out, *changed, "--resume.force"))
     assert "resume: seed: 0 -> 1 (a fixed key, forced by --resume.force)" in forced.stdout
     assert "resume: optim.weight_decay: 0.0 -> 0.5" in forced.stdout
     assert "resume: max_steps: 1 -> 2" in forced.stdout

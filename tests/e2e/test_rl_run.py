@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_script
+from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_cli
 
 RL_KEYS = {
     "loss/mean",
@@ -32,9 +34,10 @@ def rl_args(model_dir, out, *extra):
     return config_args("examples/debug/rl.toml", model_dir, out, "--max-steps", "4", *extra)
 
 
+@pytest.mark.numerics
 def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_dir, tmp_path):
     full = tmp_path / "full"
-    run_script("rl.py", *rl_args(tiny_model_dir, full, "--ckpt.interval", "2"))
+    run_cli("rl", *rl_args(tiny_model_dir, full, "--ckpt.interval", "2"))
     rows = read_metrics(full)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
@@ -44,5 +47,5 @@ def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_di
 
     resumed = tmp_path / "resumed"
     copy_crashed_run(full, resumed, 2)
-    run_script("rl.py", *rl_args(tiny_model_dir, resumed, "--resume", "latest"))
+    run_cli("rl", *rl_args(tiny_model_dir, resumed, "--resume", "latest"))
     assert_resumed_run_matches(full, resumed, 2, 4, EXACT, tmp_path)

@@ -14,7 +14,7 @@ import pytest
 from fnt.errors import ConfigError
 from fnt.loop import LOCK_FILE, lock_output_dir_
 from fnt.monitors import METRICS_FILE
-from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_script
+from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_cli, run_script
 
 
 def test_the_lock_is_exclusive_and_names_its_holder(tmp_path):
@@ -78,10 +78,7 @@ def test_a_second_run_on_the_same_directory_exits_2_naming_the_first(tiny_model_
 
     # The dead run's lock file is still there, but its lock died with it.
     assert (out / LOCK_FILE).is_file()
-    run_script(
-        "sft.py",
-        *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "2"),
-    )
+    run_cli("sft", *config_args("examples/debug/sft.toml", tiny_model_dir, out, "--max-steps", "2"))
 
 
 def _children(pid: int) -> list[int]:

@@ -8,8 +8,16 @@ import shutil
 import pytest
 
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_script
+from tests.e2e.helpers import (
+    assert_resumed_run_matches,
+    config_args,
+    copy_crashed_run,
+    run_cli,
+    run_script,
+)
 from tests.e2e.test_resume import EXACT_KEYS
+
+pytestmark = pytest.mark.numerics
 
 N, K = 6, 3
 
@@ -35,7 +43,7 @@ def native_run(tiny_model_dir, tmp_path_factory):
     """N steps with a checkpoint every K, one process. Its losses equal torch.optim.AdamW's
     within 1e-5 (tests/native/test_offload.py checks that in-process, over 20 steps)."""
     out = tmp_path_factory.mktemp("native") / "run"
-    run_script("sft.py", *args(tiny_model_dir, out, "--ckpt.interval", str(K), *NATIVE))
+    run_cli("sft", *args(tiny_model_dir, out, "--ckpt.interval", str(K), *NATIVE))
     return out
 
 
@@ -43,7 +51,7 @@ def test_native_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nat
     full = native_run
     resumed = tmp_path / "resumed"
     copy_crashed_run(full, resumed, K)
-    run_script("sft.py", *args(tiny_model_dir, resumed, "--resume", "latest", *NATIVE))
+    run_cli("sft", *args(tiny_model_dir, resumed, "--resume", "latest", *NATIVE))
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fnt.monitors import read_metrics
-from tests.e2e.helpers import config_args, run_script
+from tests.e2e.helpers import config_args, run_cli
 
 REQUIRED_KEYS = {
     "step",
@@ -48,22 +48,17 @@ def assert_chrome_trace(path):
 @pytest.fixture(scope="module")
 def one_rank_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft1")
-    proc = run_script(
-        "sft.py",
+    proc = run_cli(
+        "sft",
         *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")),
     )
     return out, proc
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sft2")
-    proc = run_script(
-        "sft.py",
-        *sft_args(tiny_model_dir, out, "--max-steps", "5", "--trace-path", str(out / "trace")),
-        nproc=2,
-    )
-    return out, proc
+def two_rank_job(fixture, out):
+    run = out / "run"
+    args = sft_args(fixture("tiny_model_dir"), run, "--max-steps", "5", "--trace-path")
+    return {"call": "fnt.__main__:main", "args": [["sft", *args, str(run / "trace")]]}
 
 
 def test_one_process_writes_one_row_per_step_and_a_trace(one_rank_run):
@@ -79,9 +74,12 @@ def test_one_process_writes_one_row_per_step_and_a_trace(one_rank_run):
     assert "step 5/5" in proc.stdout  # the console line
 
 
-def test_two_ranks_match_one_rank_and_only_rank0_writes(one_rank_run, two_rank_run):
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=two_rank_job)
+def test_two_ranks_match_one_rank_and_only_rank0_writes(one_rank_run, two_rank_runs):
     out1, _ = one_rank_run
-    out2, proc = two_rank_run
+    job = two_rank_runs(two_rank_job)
+    out2 = job / "run"
     rows1, rows2 = read_metrics(out1), read_metrics(out2)
     assert [r["step"] for r in rows2] == [1, 2, 3, 4, 5]
     for r1, r2 in zip(rows1, rows2):
@@ -89,14 +87,16 @@ def test_two_ranks_match_one_rank_and_only_rank0_writes(one_rank_run, two_rank_r
         assert r2["optim/grad_norm"] == pytest.approx(r1["optim/grad_norm"], abs=1e-5)
         assert r2["optim/lr"] == r1["optim/lr"]
         assert r2["progress/num_samples"] == r1["progress/num_samples"]
-    assert proc.stdout.count("step 3/5") == 1  # the console line comes from rank 0 only
+    # The console line comes from rank 0 only.
+    assert (job / "rank0.log").read_text().count("step 3/5") == 1
+    assert "step 3/5" not in (job / "rank1.log").read_text()
     assert_chrome_trace(out2 / "trace" / "trace_0.json.gz")
     assert_chrome_trace(out2 / "trace" / "trace_1.json.gz")
 
 
 def test_a_fresh_start_refuses_an_earlier_runs_checkpoints(one_rank_run, tiny_model_dir):
     out, _ = one_rank_run
-    proc = run_script("sft.py", *sft_args(tiny_model_dir, out, "--max-steps", "5"), check=False)
+    proc = run_cli("sft", *sft_args(tiny_model_dir, out, "--max-steps", "5"), check=False)
     assert proc.returncode == 2
     assert "already holds checkpoints of an earlier run (steps 5)" in proc.stderr
     assert "--resume latest" in proc.stderr

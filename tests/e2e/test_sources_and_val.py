@@ -57,11 +57,10 @@ def write_parquet(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> dict:
+def write_data(root: Path) -> dict:
     """Training data in a parquet file and in a Hugging Face dataset of a datasets cache made
     here (found offline through HF_HOME), held-out data in a parquet and a JSONL file."""
-    root = tmp_path_factory.mktemp("data")
+    root.mkdir(parents=True)
     val_jsonl = root / "held_out.jsonl"
     val_jsonl.write_text("".join(json.dumps(r) + "\n" for r in records(3, 100)))
     write_datasets_cache(records(10, 50), root / "hf_home" / "datasets", "local/reverse")
@@ -71,6 +70,11 @@ def data(tmp_path_factory) -> dict:
         "val_jsonl": val_jsonl,
         "env": {"HF_HOME": str(root / "hf_home"), "HF_DATASETS_OFFLINE": "1"},
     }
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    return write_data(tmp_path_factory.mktemp("sources") / "data")
 
 
 def args(model_dir, out, data, *extra):
@@ -131,6 +135,7 @@ def test_validation_rows_at_one_rank(one_rank):
     assert all(0 < r["progress/reverse/ratio_samples"] < 1 for r in rows)
 
 
+@pytest.mark.numerics
 def test_parquet_and_dataset_sources_resume_exactly_and_a_resumed_start_evaluates_the_checkpoint(
     one_rank, tiny_model_dir, data, tmp_path
 ):
@@ -147,10 +152,17 @@ def test_parquet_and_dataset_sources_resume_exactly_and_a_resumed_start_evaluate
     assert rows[K]["val/start/loss"] == full[K - 1]["val/loss"]
 
 
-def test_validation_rows_at_two_ranks_match_one_rank(one_rank, tiny_model_dir, data, tmp_path):
-    out = tmp_path / "run2"
-    run_script("sft.py", *args(tiny_model_dir, out, data), nproc=2, env=data["env"])
-    rows1, rows2 = read_metrics(one_rank), read_metrics(out)
+def two_rank_job(fixture, out):
+    """The same run at two ranks, on a copy of the data (the launch's HF_HOME is the copy's)."""
+    data = write_data(out / "data")
+    run_args = args(fixture("tiny_model_dir"), out / "run", data)
+    return {"call": "fnt.__main__:main", "args": [["sft", *run_args]], "env": data["env"]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=two_rank_job)
+def test_validation_rows_at_two_ranks_match_one_rank(one_rank, two_rank_runs):
+    rows1, rows2 = read_metrics(one_rank), read_metrics(two_rank_runs(two_rank_job) / "run")
     assert_val_rows(rows2, 1)
     for r1, r2 in zip(rows1, rows2):
         for key in (*VAL_KEYS, *START_KEYS) & r1.keys():

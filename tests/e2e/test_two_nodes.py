@@ -19,8 +19,10 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
-    run_script,
+    run_cli,
 )
+
+pytestmark = pytest.mark.numerics
 
 N, K = 4, 2
 HSDP = ("--parallel.dp-replicate", "2")
@@ -69,15 +71,25 @@ def sft_args(model_dir, out, *extra):
     return config_args("examples/debug/sft.toml", model_dir, out, "--max-steps", str(N), *extra)
 
 
-def test_two_nodes_with_hsdp_equal_one_process_and_resume_exactly(tiny_model_dir, tmp_path):
-    single, nodes = tmp_path / "single", tmp_path / "nodes"
-    run_script("sft.py", *sft_args(tiny_model_dir, single))
+@pytest.fixture(scope="module")
+def two_node_run(tiny_model_dir, tmp_path_factory):
+    nodes = tmp_path_factory.mktemp("two_nodes") / "nodes"
     run_two_nodes(*sft_args(tiny_model_dir, nodes, "--ckpt.interval", str(K), *HSDP))
-    for one, two in zip(read_metrics(single), read_metrics(nodes), strict=True):
+    return nodes
+
+
+def test_two_nodes_with_hsdp_equal_one_process(tiny_model_dir, tmp_path, two_node_run):
+    single = tmp_path / "single"
+    run_cli("sft", *sft_args(tiny_model_dir, single))
+    for one, two in zip(read_metrics(single), read_metrics(two_node_run), strict=True):
         assert one["loss/mean"] == pytest.approx(two["loss/mean"], abs=1e-5)
         assert one["optim/grad_norm"] == pytest.approx(two["optim/grad_norm"], rel=1e-4)
 
+
+@pytest.mark.slow  # exact 2-rank resume is in the default suite too (tests/e2e/test_tied.py)
+def test_a_resume_across_two_nodes_is_exact(tiny_model_dir, tmp_path, two_node_run):
     resumed = tmp_path / "resumed"
-    copy_crashed_run(nodes, resumed, K)
+    copy_crashed_run(two_node_run, resumed, K)
     run_two_nodes(*sft_args(tiny_model_dir, resumed, "--resume", "latest", *HSDP))
-    assert_resumed_run_matches(nodes, resumed, K, N, ("loss/mean", "optim/grad_norm"), tmp_path)
+    keys = ("loss/mean", "optim/grad_norm")
+    assert_resumed_run_matches(two_node_run, resumed, K, N, keys, tmp_path)

@@ -1,4 +1,5 @@
-"""Tied embeddings under FSDP2, resume and export: run under torchrun with OUT MODEL_DIR.
+"""Tied embeddings under FSDP2, resume and export: a two-rank job (tests/two_ranks.py) with OUT
+MODEL_DIR.
 
 One launch does what two `fnt sft` runs of tests/e2e/test_resume.py do, with the driver's own
 pieces (init_state, fold, save_checkpoint, restore_) and the debug SFT config: N steps
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -77,7 +77,3 @@ def main(out: str, model_dir: str) -> None:
     _, report["resumed"] = train(resumed, N - K, out_dir / "resumed" / "checkpoints", {N})
     (out_dir / f"rank{runtime.rank}.json").write_text(json.dumps(report))
     teardown_trainer(runtime)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])

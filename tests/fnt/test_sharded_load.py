@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from fnt.config import ModelConfig
 from fnt.model import empty_hf_model
@@ -19,30 +19,32 @@ from .sharded_load_check import INPUT_IDS
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def tied_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model's architecture with lm_head tied to the embeddings (the files then hold
-    the embedding only)."""
-    config = AutoConfig.from_pretrained(tiny_model_dir)
-    config.tie_word_embeddings = True
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(config)
-    out = tmp_path_factory.mktemp("tied") / "model"
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    assert "lm_head.weight" not in SafetensorsDir(out)
-    return out
+MODELS = ("tiny_model_dir", "tiny_tied_dir", "tiny_moe_dir")  # dense untied, dense tied, MoE
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
-def test_sharded_loading_equals_from_pretrained(
-    tiny_model_dir, tied_model_dir, tiny_moe_dir, tmp_path, nproc
-):
-    dirs = [tiny_model_dir, tied_model_dir, tiny_moe_dir]
-    script = str(HERE / "sharded_load_check.py")
-    run_script(script, str(tmp_path), *map(str, dirs), nproc=nproc, timeout=240)
+def sharded_load_job(fixture, out):
+    models = [str(fixture(name)) for name in MODELS]
+    return {"call": "tests.fnt.sharded_load_check:main", "args": [str(out), models]}
+
+
+@pytest.mark.parametrize(
+    "nproc",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.two_ranks(job=sharded_load_job)),
+    ],
+)
+def test_sharded_loading_equals_from_pretrained(request, tmp_path, nproc):
+    dirs = [request.getfixturevalue(name) for name in MODELS]
+    assert "lm_head.weight" not in SafetensorsDir(dirs[1])  # tied: the files hold the embedding
+    if nproc == 2:
+        out = request.getfixturevalue("two_rank_runs")(sharded_load_job)
+    else:
+        out = tmp_path
+        script = str(HERE / "sharded_load_check.py")
+        run_script(script, str(out), *map(str, dirs), nproc=nproc, timeout=240)
     for i, model_dir in enumerate(dirs):
-        got = torch.load(tmp_path / f"{i}.pt", weights_only=False)
+        got = torch.load(out / f"{i}.pt", weights_only=False)
         reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         want = reference.state_dict()
         assert got["weights"].keys() == want.keys(), model_dir

@@ -1,4 +1,5 @@
-"""Chunked vs full-logits gradients under FSDP2: run under torchrun with OUT_DIR MODEL_DIR...
+"""Chunked vs full-logits gradients under FSDP2: a two-rank job (tests/two_ranks.py) with
+OUT_DIR MODEL_DIR...
 
 For each model directory (an untied and a tied head), each rank accumulates the gradients of its
 own SFT and RL batches twice, in chunks of CHUNK loss tokens and from the full logits, and
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -111,7 +111,3 @@ def main(out_dir: str, *model_dirs: str) -> None:
                 cases.append({"model": model_dir, "loss": loss, **case})
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "cases": cases}))
     teardown_trainer(runtime)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

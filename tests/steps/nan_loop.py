@@ -1,16 +1,14 @@
 """A research-style loop on the library API with odd micro-batches on one rank.
 
-Run under torchrun; rank 0's first micro-batch of step 1 gets NaN logits. At step 2 rank 1's
-last micro-batch has no loss tokens: rank 1 must still run it, since rank 0 runs two. Each rank
-writes what the test checks to OUT_DIR/rank{N}.json (a file per rank, since lines that two ranks
-print to one stdout can interleave).
+A two-rank job (tests/two_ranks.py); rank 0's first micro-batch of step 1 gets NaN logits. At
+step 2 rank 1's last micro-batch has no loss tokens: rank 1 must still run it, since rank 0 runs
+two. Each rank writes what the test checks to OUT_DIR/rank{N}.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -65,7 +63,3 @@ def main(model_dir: str, out_dir: str) -> None:
     result = {"rank": runtime.rank, "rows": rows, "weights_finite": finite, "forwards": forwards[0]}
     (Path(out_dir) / f"rank{runtime.rank}.json").write_text(json.dumps(result))
     teardown_trainer(runtime)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])

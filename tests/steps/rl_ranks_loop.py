@@ -1,4 +1,5 @@
-"""RL steps on 2 ranks (FSDP2) for tests/steps/test_rl_ref_kl.py; run under torchrun.
+"""RL steps on 2 ranks (FSDP2) for tests/steps/test_rl_ref_kl.py, a two-rank job
+(tests/two_ranks.py).
 
 Part 1, the zero-advantage skip: at step 1 only rank 0's advantages are all 0 (both ranks must
 update), at step 2 every rank's are (both must skip). Part 2: one step with the reference KL on,
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -100,7 +100,3 @@ def main(model_dir: str, reference_dir: str, out_dir: str) -> None:
     }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     teardown_trainer(runtime)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:4])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +26,7 @@ from fnt.setup import Runtime
 from fnt.update import accumulate_gradients_, forward_loss_tokens
 from steps.rl import rl_gradients_
 from steps.sft import sft_loss
-from tests.e2e.helpers import run_script
 
-HERE = Path(__file__).resolve().parent
 V = 96
 LOSS_CONFIG = RLLossConfig(eps_low=0.2, eps_high=0.28, kl_tau=0.1)
 RUNTIME = Runtime(
@@ -254,10 +251,16 @@ def test_no_tensor_of_all_the_logits_exists_in_forward_or_backward(step):
     assert largest(chunk) <= chunk * big_v < T * big_v
 
 
-def test_chunked_equals_full_logits_at_two_ranks(tiny_model_dir, tiny_tied_dir, tmp_path):
-    script = str(HERE / "lm_head_loop.py")
-    run_script(script, str(tmp_path), str(tiny_model_dir), str(tiny_tied_dir), nproc=2)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def lm_head_job(fixture, out):
+    models = [str(fixture("tiny_model_dir")), str(fixture("tiny_tied_dir"))]
+    return {"call": "tests.steps.lm_head_loop:main", "args": [str(out), *models]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=lm_head_job)
+def test_chunked_equals_full_logits_at_two_ranks(two_rank_runs):
+    out = two_rank_runs(lm_head_job)
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     cases = {(c["model"], c["loss"], c["poisoned"]) for c in results[0]["cases"]}
     assert len(cases) == 2 * 2 * 2
     for result in results:

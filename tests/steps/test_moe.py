@@ -9,7 +9,7 @@ from fnt.data.synthetic import synthetic_rows
 from fnt.moe import moe_metrics, router_stats
 from fnt.monitors import read_metrics
 from steps.sft import sft_step
-from tests.e2e.helpers import run_script
+from tests.e2e.helpers import config_args, run_cli
 from tests.steps.test_sft import batch_of, make_state
 
 MOE_KEYS = {"max_vio/mean", "routing_confidence/mean"}
@@ -53,24 +53,20 @@ def test_moe_rows_carry_the_stats_and_dense_rows_do_not(tiny_model_dir, tiny_moe
     assert 0.0 < float(moe["routing_confidence/mean"]) <= 1.0
 
 
-def test_moe_stats_are_reduced_across_ranks(tiny_moe_dir, tmp_path):
-    def rows_for(nproc):
-        out = tmp_path / f"moe{nproc}"
-        run_script(
-            "sft.py",
-            "--config",
-            "examples/debug/sft.toml",
-            "--model.name",
-            str(tiny_moe_dir),
-            "--output-dir",
-            str(out),
-            "--max-steps",
-            "2",
-            nproc=nproc,
-        )
-        return read_metrics(out)
+def moe_args(model_dir, out) -> list[str]:
+    return [*config_args("examples/debug/sft.toml", model_dir, out), "--max-steps", "2"]
 
-    one, two = rows_for(0), rows_for(2)
+
+def moe_job(fixture, out):
+    args = moe_args(fixture("tiny_moe_dir"), out / "run")
+    return {"call": "fnt.__main__:main", "args": [["sft", *args]]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=moe_job)
+def test_moe_stats_are_reduced_across_ranks(tiny_moe_dir, tmp_path, two_rank_runs):
+    run_cli("sft", *moe_args(tiny_moe_dir, tmp_path / "moe"))
+    one, two = read_metrics(tmp_path / "moe"), read_metrics(two_rank_runs(moe_job) / "run")
     for r1, r2 in zip(one, two):
         for key in MOE_KEYS:
             assert r2[key] == pytest.approx(r1[key], abs=1e-5)

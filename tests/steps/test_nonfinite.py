@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
+import pytest
 import torch
 
 from fnt.data.synthetic import synthetic_rows
 from steps.sft import sft_step
-from tests.e2e.helpers import run_script
 from tests.steps.test_sft import batch_of, make_state
-
-HERE = Path(__file__).resolve().parent
 
 
 def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
@@ -37,9 +34,15 @@ def test_nan_micro_batch_is_skipped_in_one_process(tiny_model_dir):
     assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
 
 
-def test_nan_or_no_loss_on_one_rank_neither_hangs_nor_poisons_weights(tiny_model_dir, tmp_path):
-    run_script(str(HERE / "nan_loop.py"), str(tiny_model_dir), str(tmp_path), nproc=2, timeout=180)
-    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+def nan_job(fixture, out):
+    return {"call": "tests.steps.nan_loop:main", "args": [str(fixture("tiny_model_dir")), str(out)]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=nan_job)
+def test_nan_or_no_loss_on_one_rank_neither_hangs_nor_poisons_weights(two_rank_runs):
+    out = two_rank_runs(nan_job)
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for r in results:
         assert r["weights_finite"]

@@ -14,8 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from fnt.config import RLLossConfig
 from steps.rl import rl_gradients_, rl_metrics, rl_step
-from tests.conftest import make_model
-from tests.e2e.helpers import run_script
 from tests.steps.test_rl_step import (
     ADVANTAGES,
     ROWS,
@@ -26,14 +24,13 @@ from tests.steps.test_rl_step import (
     rl_batch,
 )
 
-HERE = Path(__file__).resolve().parent
 REF_KL_TAU = 0.5
 
 
 @pytest.fixture(scope="module")
-def reference_dir(tmp_path_factory) -> Path:
+def reference_dir(tiny_reference_dir) -> Path:
     """The tiny model's architecture with other random weights (seed 1)."""
-    return make_model(tmp_path_factory.mktemp("reference") / "model", "--seed", "1")
+    return tiny_reference_dir
 
 
 def off_policy_inference(model, rows, seed: int = 7) -> torch.Tensor:
@@ -122,18 +119,18 @@ def test_no_reference_model_without_ref_kl(tiny_model_dir):
     assert state.handles.ref_model is None
 
 
+def rl_ranks_job(fixture, out):
+    models = [str(fixture("tiny_model_dir")), str(fixture("tiny_reference_dir"))]
+    return {"call": "tests.steps.rl_ranks_loop:main", "args": [*models, str(out)]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=rl_ranks_job)
 def test_two_ranks_agree_on_skips_and_match_one_rank_with_a_reference(
-    tiny_model_dir, reference_dir, tmp_path
+    tiny_model_dir, reference_dir, two_rank_runs
 ):
-    run_script(
-        str(HERE / "rl_ranks_loop.py"),
-        str(tiny_model_dir),
-        str(reference_dir),
-        str(tmp_path),
-        nproc=2,
-        timeout=240,
-    )
-    results = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    out = two_rank_runs(rl_ranks_job)
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     assert [r["rank"] for r in results] == [0, 1]
     # Step 1: rank 0's advantages are all 0, rank 1's are not: both update. Step 2: all 0 on
     # both: both skip, and the weights stay as they were.

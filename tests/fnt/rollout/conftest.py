@@ -1,9 +1,7 @@
-"""Fixtures of the rollout tests: a tiny model that sometimes stops, a prompts file, RL configs."""
+"""Fixtures of the rollout tests: RL configs and states; the policy that sometimes stops and the
+prompts file are session fixtures of tests/conftest.py (two-rank jobs use them too)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,26 +10,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fnt import init_state
 from fnt.config import ModelConfig, RLConfig, RolloutConfig, RuntimeConfig
 from fnt.setup import setup_trainer
-
-# Reversal puzzles of 2-6 letters: short prompts, and an "answer" for the similarity reward.
-WORDS = ["ab", "cat", "dove", "eagle", "falcon", "go", "hen", "ibis", "jays", "kiwi", "lark"]
-
-
-@pytest.fixture(scope="session")
-def policy_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model with its eos row of lm_head scaled 20x.
-
-    The random tiny model almost never samples eos; scaled, eos becomes likely in some contexts
-    and unlikely in others, so completions end at different lengths and some hit max_new_tokens.
-    """
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.eos_token_id] *= 20.0
-    out = tmp_path_factory.mktemp("policy") / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -42,19 +20,6 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture
 def eval_model(policy_dir):
     return AutoModelForCausalLM.from_pretrained(policy_dir).eval()
-
-
-def write_prompts(path: Path) -> Path:
-    lines = [
-        json.dumps({"prompt": word[::-1], "answer": word, "id": i}) for i, word in enumerate(WORDS)
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-@pytest.fixture(scope="session")
-def prompts_file(tmp_path_factory) -> Path:
-    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
 def rl_config(model_dir, prompts, **rollout) -> RLConfig:

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.e2e.helpers import run_script
-
 from .two_ranks import two_batches
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 def documents(batch):
@@ -34,10 +28,16 @@ def documents(batch):
     return sorted(docs, key=lambda d: d[:3])
 
 
-def test_two_ranks_sample_what_one_process_samples(policy_dir, prompts_file, tmp_path):
-    script = str(Path(__file__).with_name("two_ranks.py"))
-    run_script(script, str(policy_dir), str(prompts_file), str(tmp_path), nproc=2, timeout=240)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def two_batches_job(fixture, out):
+    inputs = [str(fixture("policy_dir")), str(fixture("prompts_file"))]
+    return {"call": "tests.fnt.rollout.two_ranks:save_two_batches", "args": [*inputs, str(out)]}
+
+
+@pytest.mark.numerics
+@pytest.mark.two_ranks(job=two_batches_job)
+def test_two_ranks_sample_what_one_process_samples(policy_dir, prompts_file, two_rank_runs):
+    out = two_rank_runs(two_batches_job)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     _, single = two_batches(str(policy_dir), str(prompts_file))
     for step in range(2):
         one, shares = single[step], [rank[step] for rank in ranks]
@@ -49,8 +49,11 @@ def test_two_ranks_sample_what_one_process_samples(policy_dir, prompts_file, tmp
         merged = sorted(documents(shares[0]) + documents(shares[1]), key=lambda d: d[:3])
         expected = documents(one)
         assert [d[:3] for d in merged] == [d[:3] for d in expected]
+        # logp = logit - logsumexp, terms near log(V) = 5.6 whose float32 ulp is 4.8e-7: rows
+        # decoded in another batch (other padding, other reduction order) round each term
+        # differently, by a few ulps (measured: up to 1.1e-6).
         for got, want in zip(merged, expected):
-            torch.testing.assert_close(got[3], want[3], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got[3], want[3], rtol=0, atol=4e-6)
         for key in (
             "reward/mean",
             "reward/std",

@@ -1,12 +1,8 @@
-"""Run by test_two_ranks under torchrun: two rollouts of rl_source with an FSDP2-sharded policy
-that changes in between. Side effect: writes each rank's batches to OUT/rank{rank}.pt.
-
-usage: torchrun --nproc-per-node 2 two_ranks.py MODEL_DIR PROMPTS OUT
-"""
+"""Two rollouts of rl_source with an FSDP2-sharded policy that changes in between: a two-rank job
+of test_two_ranks (`save_two_batches`, tests/two_ranks.py), whose side effect is each rank's
+batches in OUT/rank{rank}.pt; `two_batches` is also the one-process reference."""
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -26,8 +22,7 @@ def two_batches(model_dir: str, prompts: str) -> tuple:
     return state.handles.runtime, (first, second)
 
 
-if __name__ == "__main__":
-    model_dir, prompts, out = sys.argv[1:4]
+def save_two_batches(model_dir: str, prompts: str, out: str) -> None:
     runtime, batches = two_batches(model_dir, prompts)
     torch.save(batches, f"{out}/rank{runtime.rank}.pt")
     teardown_trainer(runtime)
