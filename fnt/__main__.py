@@ -16,8 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from fnt.cli import config_from_argv, exit_on_bad_input
+from fnt.cli import exit_on_bad_input, parse_config
 from fnt.config import Config, RLConfig
+from fnt.preflight import check_inputs
+from fnt.rundir import rank0_run_lock
 
 USAGE = """\
 usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
@@ -52,20 +54,29 @@ def train_rl(config: RLConfig) -> None:
     run(config, rl_step, rl_source, on_state=publish_weights_ if external else None)
 
 
+def train(argv: list[str], cls: type, train_config) -> None:
+    """Parse and validate the command line, take the output_dir's lock (rank 0; torch-free, so
+    a second run on a busy directory is refused within a second), check the inputs, train."""
+    config, model_name_source = parse_config(argv, cls)
+    with rank0_run_lock(config.output_dir):
+        check_inputs(config, model_name_source)
+        train_config(config)
+
+
 def sft(argv: list[str]) -> None:
     """`fnt sft --config FILE.toml [--key=value]...`; a bad config exits 2 before any model."""
-    train_sft(config_from_argv(argv))
+    train(argv, Config, train_sft)
 
 
 def rl(argv: list[str]) -> None:
     """`fnt rl --config FILE.toml [--key=value]...`: rollouts from the in-process engine or, with
     `--rollout.engine external`, from an orchestrator writing {output_dir}/rollouts/."""
-    train_rl(config_from_argv(argv, RLConfig))
+    train(argv, RLConfig, train_rl)
 
 
 def export(argv: list[str]) -> None:
     """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]`."""
-    from fnt.export import export_hf
+    from fnt.export import export_hf_
     from fnt.model import DTYPES
 
     parser = argparse.ArgumentParser(
@@ -77,7 +88,7 @@ def export(argv: list[str]) -> None:
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights")
     args = parser.parse_args(argv)
-    out = export_hf(args.checkpoint, args.out, args.dtype)
+    out = export_hf_(args.checkpoint, args.out, args.dtype)
     print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(out), "dtype": args.dtype}))
 
 

@@ -1,10 +1,15 @@
-"""The first TrainState of a run, and restoring one from a checkpoint. Side effects: loads the
-model (and shards it under torchrun; so too an RL reference model when the loss needs one),
-creates the optimizer state, reads the data or prompts and the validation data, and `restore_`
-loads a checkpoint into the state's model and optimizer.
+"""The first TrainState of a run, saving one as a checkpoint and restoring one from it. Side
+effects: loads the model (and shards it under torchrun; so too an RL reference model when the
+loss needs one), creates the optimizer state, reads the data or prompts and the held-out data;
+`save_state_` writes a checkpoint and `restore_` loads one into the state's model, optimizer
+and source handles.
 
-Neither decides anything about resuming: `init_state` never looks at checkpoints, and `restore_`
-loads the one it is given. Which checkpoint (if any) a run continues from is `run`'s decision.
+This is where the sources' handles are chosen and built (`source_handles`), so it is the one
+core module that imports their implementations, each only when the config asks for it.
+
+None of these decides anything about resuming: `init_state` never looks at checkpoints, and
+`restore_` loads the one it is given. Which checkpoint (if any) a run continues from is the
+driver's decision (fnt.start).
 """
 
 from __future__ import annotations
@@ -13,19 +18,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Union
 
-from fnt.checkpoint import load_checkpoint_
+from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
 from fnt.config import Config, RLConfig
 from fnt.model import load_model
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
-from fnt.setup import Runtime
+from fnt.rundir import ckpt_root
+from fnt.runtime import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
-from fnt.validation_pass import load_validation
 
 
 def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
     """What the configured batch source reads from, built once: the RL rollout engine (the
     external reader, or the in-process engine when rollout.prompts names a file), the tokenized
-    JSONL corpus, or nothing (synthetic data, or RL batches the caller makes itself)."""
+    corpus of data.sources or the synthetic rows; nothing for RL batches the caller makes
+    itself."""
     if isinstance(config, RLConfig):
         if not config.rollout.prompts and config.rollout.engine == "in_process":
             return {}
@@ -36,22 +42,26 @@ def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
         from fnt.rollout.engine import InProcessEngine
 
         return {"rollouts": InProcessEngine(config, runtime)}
-    if config.data.kind == "jsonl":
-        from fnt.data.sft import load_jsonl_data
+    layout = dict(
+        batch_size=config.batch_size,
+        micro_batch_size=config.micro_batch_size,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dims.dp,
+    )
+    if config.data.kind == "synthetic":
+        from fnt.data.synthetic import SyntheticData
+
+        return {"data": SyntheticData(seed=config.seed, seq_len=config.seq_len, **layout)}
+    if config.data.kind == "sources":
+        from fnt.data.sft import load_source_data
         from fnt.tokenizer import load_tokenizer
 
-        data = load_jsonl_data(
-            config.data,
-            load_tokenizer(config.model.name),
-            seed=config.seed,
-            seq_len=config.seq_len,
-            batch_size=config.batch_size,
-            micro_batch_size=config.micro_batch_size,
-            dp_rank=runtime.dp_rank,
-            dp_size=runtime.dims.dp,
+        tokenizer = load_tokenizer(config.model.name)
+        data = load_source_data(
+            config.data, tokenizer, seed=config.seed, seq_len=config.seq_len, **layout
         )
         return {"data": data}
-    return {}
+    raise ValueError(f"unknown data.kind {config.data.kind!r}")
 
 
 def reference_model(config: Config, runtime: Runtime) -> Any:
@@ -79,9 +89,11 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
     """A fresh TrainState at step 0: the model from `config.model.name`, its optimizer, the
     source's handles (and the RL reference model, `reference_model`) and `Progress()`. Reads no
     checkpoint and refuses nothing."""
+    from fnt.evaluation import load_eval_data
+
     # The data first: a bad file or prompt should fail before the model is loaded.
     sources = source_handles(config, runtime)
-    val = load_validation(config)
+    val = load_eval_data(config)
     model = load_model(config.model, runtime, runtime.offload)
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
@@ -92,10 +104,29 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
     return TrainState(config, Progress(), handles)
 
 
+def save_state_(state: TrainState) -> Path:
+    """Checkpoint `state` as checkpoints/step_{progress.step} of its output_dir: the model, the
+    optimizer, Progress, the config and the state of every source handle, as one transaction (a
+    collective under torchrun: every rank calls it). Returns the checkpoint's directory."""
+    handles = state.handles
+    return save_checkpoint_(
+        ckpt_root(state.config.output_dir),
+        state.progress,
+        handles.model,
+        handles.optimizer,
+        model_name=state.config.model.name,
+        rank=handles.runtime.rank,
+        distributed=handles.runtime.distributed,
+        config=state.config,
+        components={name: c.state_dict() for name, c in handles.components().items()},
+    )
+
+
 def restore_(state: TrainState, checkpoint_dir: Union[str, Path]) -> TrainState:
-    """Load a complete checkpoint into the state's model and optimizer (in place, a collective
-    under torchrun) and return the restored state, whose Progress is the checkpoint's. The
-    optimizer then gets the hyperparameters of `state.config` (loading restored the saved ones).
+    """Load a complete checkpoint into the state's model, optimizer and source handles (in
+    place, a collective under torchrun) and return the restored state, whose Progress is the
+    checkpoint's. The optimizer then gets the hyperparameters of `state.config` (loading
+    restored the saved ones).
 
     `state` must be current; afterwards it is consumed, like a state that was stepped.
     """
@@ -107,6 +138,9 @@ def restore_(state: TrainState, checkpoint_dir: Union[str, Path]) -> TrainState:
         handles.optimizer,
         distributed=handles.runtime.distributed,
     )
+    saved = read_components(Path(checkpoint_dir), handles.runtime.device)
+    for name, component in handles.components().items():
+        component.load_state_dict(saved.get(name, {}))
     set_hyperparameters_(handles.optimizer, state.config.optim)
     handles.cursor.move_(state.progress.step, progress.step)
     return dataclasses.replace(state, progress=progress)

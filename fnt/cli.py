@@ -14,7 +14,6 @@ from typing import Any
 
 from fnt.config import CliArgs, Config, help_text, load_config, to_json, validate
 from fnt.errors import ConfigError, DataError
-from fnt.preflight import check_inputs
 
 EXIT_BAD_INPUT = 2
 
@@ -35,9 +34,9 @@ def exit_on_bad_input() -> Iterator[None]:
         sys.exit(EXIT_BAD_INPUT)
 
 
-def config_from_argv(argv: list[str], cls: type = Config) -> Any:
-    """The validated config, or exit: 0 after --print-config/--help-config, 2 on a bad config or
-    bad inputs (fnt.preflight: model, tokenizer, data and prompt files, the resume step)."""
+def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
+    """The validated config and where its model.name came from, or exit: 0 after
+    --print-config/--help-config, 2 on a bad config."""
     with exit_on_bad_input():
         config, cli = load_config(argv, cls)
         if cli.help_config:
@@ -47,11 +46,12 @@ def config_from_argv(argv: list[str], cls: type = Config) -> Any:
         if cli.print_config:
             print(to_json(config))
             sys.exit(0)
-        check_inputs(config, _model_name_source(cli, config.model.name))
-    return config
+    return config, model_name_source(cli, config.model.name)
 
 
-def _model_name_source(cli: CliArgs, name: str) -> str:
+def model_name_source(cli: CliArgs, name: str) -> str:
+    """Where `model.name` came from, for its error message: the command line, the file or the
+    default."""
     if any(key == "model.name" for key, _ in cli.overrides):
         return "command line"
     if cli.config_file is not None and name:

@@ -18,8 +18,9 @@ from torch import nn
 from fnt.checkpoint import read_meta
 from fnt.config import ModelConfig
 from fnt.model import DTYPES, load_hf_model
+from fnt.rundir import COMPLETE_MARKER
 from fnt.tokenizer import load_tokenizer
-from fnt.transaction import COMPLETE_MARKER, is_complete
+from fnt.transaction import is_complete
 
 
 def load_trained_model(ckpt_dir: Path) -> nn.Module:
@@ -59,7 +60,7 @@ def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
     return {key: value for key, value in state_dict.items() if key not in later}
 
 
-def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None) -> Path:
+def export_hf_(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None) -> Path:
     """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir."""
     model = load_trained_model(ckpt_dir)
     if dtype is not None:

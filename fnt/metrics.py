@@ -1,6 +1,6 @@
-"""Metric rows: pure builders of the metric groups and their merge into one row per step.
-
-Only `log_step_metrics` has a side effect (one monitor call, on rank 0).
+"""Metric rows: pure builders of the metric groups and their merge into one row per step (the
+driver's fnt.rows puts them together), and `to_floats`, the one host sync of a step's metrics.
+Pure, except reading the disk usage and the peak memory.
 """
 
 from __future__ import annotations
@@ -119,26 +119,3 @@ def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 def finite_or_none(value: float) -> Optional[float]:
     """NaN and infinity become None, written as JSON null. Pure."""
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
-
-
-def log_step_metrics(
-    step: int,
-    metrics: Mapping[str, float],
-    *,
-    time: float,
-    perf: Mapping[str, float],
-    timing: Mapping[str, float],
-    disk: Mapping[str, float],
-    monitor: Any,
-    is_main: bool,
-) -> dict[str, Any]:
-    """Merge the shared groups with the step's metrics into ONE row and log it with ONE call.
-
-    `metrics` are the step function's own (loss/*, optim/lr, optim/grad_norm, ...) plus the
-    loop's progress/*; `perf`, `timing` (time/step, time/save_ckpt) and `disk` are the shared
-    groups. Only rank 0 logs; every rank gets the row back.
-    """
-    row = step_row(step, time, perf, timing, disk, metrics)
-    if is_main:
-        monitor.log(row)
-    return row

@@ -10,7 +10,7 @@ from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
 from fnt.sharded_load import load_shards_, params_on_meta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

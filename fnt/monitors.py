@@ -21,10 +21,8 @@ from typing import Any, Mapping
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
 from fnt.metrics import finite_or_none
-from fnt.transaction import fsync_dir, write_synced
-
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
+from fnt.rundir import METRICS_FILE, WANDB_ID_FILE
+from fnt.transaction import fsync_dir, write_synced_
 
 
 def strict_json_line(row: Mapping[str, Any]) -> str:
@@ -57,7 +55,7 @@ def truncate_metrics_(path: Path, last_step: int) -> None:
         return
     kept = rows_through(path.read_text().splitlines(keepends=True), last_step)
     tmp = path.with_suffix(".jsonl.tmp")
-    write_synced(tmp, "".join(kept))
+    write_synced_(tmp, "".join(kept))
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -266,7 +264,7 @@ def recorded_wandb_run_id(output_dir: Path) -> str | None:
 def record_wandb_run_id_(output_dir: Path, run_id: str) -> None:
     """Record the W&B run this run directory logs to (a resume rewinds or forks it)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_synced(output_dir / WANDB_ID_FILE, run_id + "\n")
+    write_synced_(output_dir / WANDB_ID_FILE, run_id + "\n")
 
 
 def format_duration(seconds: float) -> str:

@@ -105,3 +105,29 @@ def rank_share(items: Sequence[Any], dp_rank: int, dp_size: int, *, what: str) -
     """Rank dp_rank's contiguous share of a step's items (prompts, samples, rows)."""
     lo, hi = rank_bounds(len(items), dp_rank, dp_size, what=what)
     return tuple(items[lo:hi])
+
+
+def batch_layout_problem(batch_size: int, micro_batch_size: int, dp_size: int) -> Optional[str]:
+    """What keeps `batch_size` rows per step from splitting evenly over `dp_size` ranks and then
+    into micro-batches of `micro_batch_size` rows, or None. Pure."""
+    if batch_size < 1 or micro_batch_size < 1:
+        return f"batch_size and micro_batch_size must be >= 1, got {batch_size}, {micro_batch_size}"
+    rows = dp_size * micro_batch_size
+    if batch_size % rows:
+        return (
+            f"batch_size={batch_size} (global rows per step) must be a multiple of dp_size * "
+            f"micro_batch_size = {dp_size} * {micro_batch_size} = {rows}: a step's rows split "
+            "evenly over the data-parallel ranks, then into micro-batches"
+        )
+    return None
+
+
+def check_batch_layout(
+    batch_size: int, micro_batch_size: int, *, dp_rank: int, dp_size: int
+) -> None:
+    """ValueError unless this rank exists and the batch splits evenly (`batch_layout_problem`)."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    problem = batch_layout_problem(batch_size, micro_batch_size, dp_size)
+    if problem is not None:
+        raise ValueError(problem)

@@ -8,14 +8,15 @@ used (every record when the data is tokenized); these catch what is wrong at the
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-from pathlib import Path
 
 from fnt.config import Config, RLConfig
+from fnt.config.schema import source_kind
 from fnt.errors import ConfigError, DataError
+from fnt.jsonl import jsonl_records
 from fnt.resume import resolve_resume_step
+from fnt.rundir import ckpt_root
 
 # Any one of these is a tokenizer transformers can load without extra packages' guesswork.
 TOKENIZER_FILES = (
@@ -35,19 +36,20 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     their existence; glob patterns and Hugging Face datasets are resolved by the loader."""
     require_model_dir(config.model.name, model_name_source)
     is_rl = isinstance(config, RLConfig)
-    if is_rl or config.data.kind == "jsonl":
-        require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "jsonl"')
+    if is_rl or config.data.kind == "sources":
+        require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "sources"')
     # Each file is read before the module with its record rules is imported (that costs torch).
     sources = [(f"val.sources[{i}]", s) for i, s in enumerate(config.val.sources)]
-    if not is_rl and config.data.kind == "jsonl":
+    if not is_rl and config.data.kind == "sources":
         sources = [(f"data.sources[{i}]", s) for i, s in enumerate(config.data.sources)] + sources
+    kinds = [source_kind(source) for _, source in sources]
     firsts = [
         (first_record(source.path, f"{key}.path"), source)
-        for key, source in sources
-        if is_jsonl(source)
+        for (key, source), kind in zip(sources, kinds)
+        if kind == "jsonl"
     ]
-    for key, source in sources:
-        if source.path and not is_jsonl(source) and not any(c in source.path for c in "*?["):
+    for (key, source), kind in zip(sources, kinds):
+        if kind in ("parquet", "arrow", "directory"):
             require_path(source.path, f"{key}.path")
     if firsts:
         from fnt.data.chat import conversation_from_record
@@ -61,7 +63,7 @@ def check_inputs(config: Config, model_name_source: str) -> None:
 
         check_record(first, prompt_messages)
     # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
-    resolve_resume_step(config.resume, Path(config.output_dir) / "checkpoints")
+    resolve_resume_step(config.resume, ckpt_root(config.output_dir))
 
 
 def require_model_dir(name: str, source: str) -> None:
@@ -92,17 +94,6 @@ def require_tokenizer_files(name: str, needed_by: str) -> None:
     )
 
 
-def is_jsonl(source) -> bool:
-    """Whether a data source is a JSONL file: a path that is no parquet/Arrow file, directory or
-    glob pattern (the kinds fnt.data.load reads), nor a Hugging Face dataset."""
-    path = source.path
-    return bool(path) and not (
-        path.endswith((".parquet", ".arrow"))
-        or any(c in path for c in "*?[")
-        or os.path.isdir(path)
-    )
-
-
 def require_path(path: str, key: str) -> None:
     """DataError unless `path` exists (a columnar file or a directory, read later)."""
     if not os.path.exists(path):
@@ -112,19 +103,10 @@ def require_path(path: str, key: str) -> None:
 def first_record(path: str, key: str) -> tuple[str, int, object]:
     """(path, line number, parsed JSON) of the first non-blank line of the file at `key`;
     DataError if it cannot be read, is empty, or that line is not JSON."""
-    try:
-        with open(path, "rb") as file:
-            for line_number, line in enumerate(file, start=1):
-                if line.strip():
-                    break
-            else:
-                raise DataError(f"'{key}' = {path!r}: the file is empty (no JSONL records)")
-    except OSError as e:
-        raise DataError(f"'{key}' = {path!r}: cannot read it: {e.strerror or e}") from e
-    try:
-        return path, line_number, json.loads(line.decode("utf-8"))
-    except ValueError as e:  # also bad UTF-8, which subclasses ValueError
-        raise DataError(f"{path}, line {line_number}: {e}") from e
+    first = next(jsonl_records(path, f"'{key}' = {path!r}"), None)
+    if first is None:
+        raise DataError(f"'{key}' = {path!r}: the file is empty (no JSONL records)")
+    return path, *first
 
 
 def check_record(first: tuple[str, int, object], parse) -> None:

@@ -25,7 +25,7 @@ def start_trace(trace_path: Optional[str]) -> Optional[profile]:
     return prof
 
 
-def save_trace(prof: Optional[profile], trace_path: Optional[str], rank: int) -> Optional[Path]:
+def save_trace_(prof: Optional[profile], trace_path: Optional[str], rank: int) -> Optional[Path]:
     """Stop the profiler and write `trace_path/trace_{rank}.json.gz` (a gzipped Chrome trace)."""
     if prof is None or not trace_path:
         return None

@@ -1,12 +1,9 @@
 """Which checkpoint to resume from, and what a resumed run may change. Pure, apart from listing
 one directory.
 
-A checkpoint directory is complete when it is named `step_N` and holds the marker file
-`COMPLETE`. The saver writes everything into a temporary sibling, writes the marker last and
-only then renames the directory to `step_N` (fnt.transaction), so a crash at any moment
-leaves either a complete `step_N` or something these rules ignore. `abandoned/`, where a
-resumed run moves the checkpoints of the trajectory it leaves (`abandoned_names`), is one of
-those.
+Only complete checkpoints count (fnt.rundir: a directory named `step_N` holding the marker that
+the saver writes last), so a crash at any moment of a save leaves the previous complete
+checkpoint as the newest one.
 
 Each checkpoint records the config it was written with. `reconcile_config` compares it with the
 current one key by key under `RESUME_POLICY`: a change that only affects how the run continues
@@ -19,63 +16,18 @@ parameter groups after its state is loaded, which would otherwise restore the sa
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
+from fnt.config.loading import canonical_value
 from fnt.config.schema import flatten
 from fnt.errors import ConfigError
-from fnt.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX
-
-# Only the canonical names the saver writes: no leading zeros, ASCII digits, nothing after.
-_STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
-ABANDONED_DIR = "abandoned"
+from fnt.rundir import complete_steps, list_step_dirs
 
 
 class ResumeError(ConfigError):
     """The requested checkpoint does not exist or is incomplete (a bad `resume` value)."""
-
-
-def step_of(name: str) -> Optional[int]:
-    """N for a directory name `step_N`, else None."""
-    match = _STEP_DIR.fullmatch(name)
-    return int(match.group(1)) if match else None
-
-
-def checkpoint_dir(ckpt_root: Union[str, Path], step: int) -> Path:
-    return Path(ckpt_root) / f"step_{step}"
-
-
-def complete_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
-    """Sorted steps of the complete checkpoints in a listing of `(name, has_marker)`. Pure."""
-    return sorted(
-        step for name, has_marker in entries if has_marker and (step := step_of(name)) is not None
-    )
-
-
-def abandoned_names(entries: Iterable[tuple[str, bool]], start_step: int) -> list[str]:
-    """The entries of a listing of `(name, has_marker)` that a run starting at `start_step` moves
-    aside: complete checkpoints newer than the start (another trajectory: resuming would collide
-    with them, keep_last would count them as the newest, and "latest" would pick them later) and
-    every `step_M.partial` (a save that never finished). Pure."""
-    return sorted(
-        name
-        for name, has_marker in entries
-        if (has_marker and (step := step_of(name)) is not None and step > start_step)
-        or (name.endswith(PARTIAL_SUFFIX) and step_of(name[: -len(PARTIAL_SUFFIX)]) is not None)
-    )
-
-
-def run_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
-    """Sorted steps of every `step_N` and `step_N.partial` in a listing, complete or not: what
-    a run leaves in a step-numbered directory (weights/, rollouts/). Pure."""
-    return sorted(
-        step
-        for name, _ in entries
-        if (step := step_of(name.removesuffix(PARTIAL_SUFFIX))) is not None
-    )
 
 
 def choose_resume_step(resume: Union[int, bool, str, None], steps: list[int]) -> Optional[int]:
@@ -99,22 +51,11 @@ def choose_resume_step(resume: Union[int, bool, str, None], steps: list[int]) ->
     raise ResumeError(f'resume = {resume!r}: expected none, "latest", true/false or a step number')
 
 
-def list_checkpoints(ckpt_root: Union[str, Path]) -> list[tuple[str, bool]]:
-    """`(name, has_marker)` for each directory entry of ckpt_root; empty if it does not exist."""
-    root = Path(ckpt_root)
-    if not root.is_dir():
-        return []
-    return [
-        (entry.name, entry.is_dir() and os.path.isfile(os.path.join(entry.path, COMPLETE_MARKER)))
-        for entry in os.scandir(root)
-    ]
-
-
 def resolve_resume_step(
-    resume: Union[int, bool, str, None], ckpt_dir: Union[str, Path]
+    resume: Union[int, bool, str, None], ckpt_root: Union[str, Path]
 ) -> Optional[int]:
-    """The step to resume from given the `resume` setting and the checkpoint directory."""
-    return choose_resume_step(resume, complete_steps(list_checkpoints(ckpt_dir)))
+    """The step to resume from given the `resume` setting and the checkpoint root directory."""
+    return choose_resume_step(resume, complete_steps(list_step_dirs(ckpt_root)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +196,8 @@ def reconcile_config(
     the checkpoint does not record (it was written before the key existed) is kept. Every key
     of `current` must have a policy in RESUME_POLICY (KeyError otherwise).
     """
-    old_values, new_values = flatten(dict(saved)), flatten(dict(current))
+    old_values = {k: canonical_value(k, v) for k, v in flatten(dict(saved)).items()}
+    new_values = flatten(dict(current))
     decisions = {}
     for key, new in new_values.items():
         policy = RESUME_POLICY[key]

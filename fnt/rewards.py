@@ -21,6 +21,7 @@ import difflib
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Sequence
@@ -106,6 +107,35 @@ def reward_function(name: str) -> RewardFn:
         f"unknown reward {name!r}{hint}. Registered rewards: {', '.join(sorted(REWARDS))}; or give "
         f"'module:function' for your own fn(completion: str, sample: dict) -> float"
     )
+
+
+def score(
+    texts: Sequence[str],
+    record: Mapping[str, Any],
+    reward_fn: RewardFn,
+    reward_name: str,
+    where: str,
+) -> list[float]:
+    """The reward of each completion text of one prompt record: the one place fnt calls a
+    reward function (rollouts and evaluation alike). NaN and inf are returned as they are: what
+    to do with them is rollout.on_bad_reward's (`keep_group`).
+
+    An error of the reward function, or a reward that is not a real number, raises a
+    ValueError naming the reward and `where` (the prompt's line in its file).
+    """
+    rewards = []
+    for text in texts:
+        try:
+            value = reward_fn(text, record)
+        except Exception as e:
+            raise ValueError(f"reward {reward_name!r} failed on {where}: {e}") from e
+        if not isinstance(value, numbers.Real):
+            raise ValueError(
+                f"reward {reward_name!r} returned {value!r} for {text!r} on {where}; "
+                "expected a float"
+            )
+        rewards.append(float(value))
+    return rewards
 
 
 def keep_group(rewards: Sequence[float], policy: str, where: str, reward_name: str) -> bool:

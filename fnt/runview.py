@@ -39,16 +39,16 @@ from typing import Any, Collection, Optional, Union
 
 from fnt.config import flatten
 from fnt.errors import DataError
-from fnt.resume import complete_steps, list_checkpoints, step_of
-from fnt.transaction import PARTIAL_SUFFIX
-
-# The run directory's names, as its writers use them (fnt.loop.CONFIG_FILE, the checkpoint root
-# of fnt.loop, fnt.monitors.METRICS_FILE and WANDB_ID_FILE). They are spelled out here because
-# importing those modules would import torch; a test checks that the names agree.
-CONFIG_FILE = "config.json"
-METRICS_FILE = "metrics.jsonl"
-WANDB_ID_FILE = "wandb_run_id"
-CHECKPOINTS_DIR = "checkpoints"
+from fnt.rundir import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    ckpt_root,
+    complete_steps,
+    list_step_dirs,
+    partial_step_of,
+    step_name,
+)
 
 # The metrics worth a glance, in display order; the RL ones appear only in RL runs.
 KEY_METRICS = (
@@ -98,7 +98,7 @@ def read_run(path: Union[str, Path]) -> RunView:
         rows=tuple(rows),
         has_metrics=metrics_file.is_file(),
         partial_line=partial,
-        checkpoint_entries=tuple(sorted(list_checkpoints(path / CHECKPOINTS_DIR))),
+        checkpoint_entries=tuple(sorted(list_step_dirs(ckpt_root(path)))),
         wandb_run_id=wandb_file.read_text().strip() if wandb_file.is_file() else None,
     )
 
@@ -156,15 +156,11 @@ def default_keys(present: Collection[str]) -> list[str]:
 def classify_checkpoints(entries: Collection[tuple[str, bool]]) -> dict[str, list]:
     """The entries of checkpoints/ as complete steps, `step_N.partial` names and the rest. Pure."""
     complete = complete_steps(entries)
-    partial = [
-        name
-        for name, _ in entries
-        if name.endswith(PARTIAL_SUFFIX) and step_of(name[: -len(PARTIAL_SUFFIX)]) is not None
-    ]
-    counted = {f"step_{step}" for step in complete} | set(partial)
+    partial = [name for name, _ in entries if partial_step_of(name) is not None]
+    counted = {step_name(step) for step in complete} | set(partial)
     return {
         "checkpoints": complete,
-        "partial": sorted(partial, key=lambda name: step_of(name[: -len(PARTIAL_SUFFIX)])),
+        "partial": sorted(partial, key=partial_step_of),
         "stray": sorted(name for name, _ in entries if name not in counted),
     }
 
@@ -247,7 +243,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"metrics      {metrics or '-'}",
         f"seen         {_text(s['num_tokens'])} tokens, {_text(s['num_samples'])} samples",
         f"wall time    {_duration(s['wall_time_s'])}",
-        "checkpoints  " + (", ".join(f"step_{step}" for step in s["checkpoints"]) or "none"),
+        "checkpoints  " + (", ".join(map(step_name, s["checkpoints"])) or "none"),
     ]
     if s["partial"]:
         lines.append(f"partial      {', '.join(s['partial'])} (incomplete; resume ignores these)")

@@ -1,6 +1,7 @@
-"""Batch sources: `source(state) -> batch` for update state.progress.step + 1. Side effects:
-`rl_source` generates or waits for rollouts (through the handle in `state.handles.rollouts`);
-`sft_source` is pure given the state (its JSONL corpus was read once, into `state.handles.data`).
+"""Batch sources: `source(state) -> batch` for update state.progress.step + 1 (a `BatchSource`;
+not to be confused with a data source, one of data.sources). Side effects: `rl_source` generates
+or waits for rollouts (through the handle in `state.handles.rollouts`); `sft_source` is pure
+given the state (its corpus was read once, into `state.handles.data`).
 
 A source is called once per step by `fold` with the current state and reads only that state, so
 it cannot run ahead of the fold: the batch for step N + 1 needs the state after step N. Calling a
@@ -14,32 +15,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fnt.batch import RLBatch, SftBatch
-from fnt.data.synthetic import synthetic_batch
 from fnt.state import TrainState
 
-Source = Callable[[TrainState], Any]
+BatchSource = Callable[[TrainState], Any]
+"""Any callable from the current state to the batch of the next update."""
 
 
 def sft_source(state: TrainState) -> SftBatch:
-    """This rank's SFT batch for update state.progress.step + 1 (synthetic or JSONL data)."""
+    """This rank's SFT batch for update state.progress.step + 1 (synthetic data, or the corpus
+    of data.sources), from the state's data handle."""
     state.check_current()
-    config, runtime = state.config, state.handles.runtime
-    if config.data.kind == "synthetic":
-        return synthetic_batch(
-            seed=config.seed,
-            step=state.progress.step + 1,
-            start=state.progress.data,
-            batch_size=config.batch_size,
-            micro_batch_size=config.micro_batch_size,
-            seq_len=config.seq_len,
-            dp_rank=runtime.dp_rank,
-            dp_size=runtime.dims.dp,
-        )
     if state.handles.data is None:
-        raise ValueError(
-            "data.kind = 'jsonl' but the state holds no corpus: build it with init_state"
-        )
-    return state.handles.data.batch(state.progress.data)
+        raise ValueError("the state holds no SFT data: build it from a Config with init_state")
+    return state.handles.data.batch(state.progress)
 
 
 def rl_source(state: TrainState) -> RLBatch:

@@ -1,26 +1,88 @@
-"""The records the fold passes along: Progress, Handles and TrainState. Pure.
+"""The records the fold passes along: Progress, Handles and TrainState, and the protocols of the
+handles that batch sources read. Pure.
 
 Progress holds plain values only and round-trips through JSON, so it can be checkpointed,
 logged and compared. Handles hold references to objects whose contents change in place (model,
-optimizer); the references themselves never change. Anything derivable from the config and
-`progress.step` (learning rate, seeds, data order) is derived, not stored.
+optimizer, the sources' handles); the references themselves never change. Anything derivable
+from the config and `progress.step` (learning rate, seeds, data order) is derived, not stored.
+
+The core names what it needs from a source's handle, never its type: every one is a `Component`
+(its state is saved in each checkpoint and restored with it, and it is closed when the run
+ends), SFT data is a `SampleSource`, an RL engine a `RolloutSource` and the held-out data an
+`Evaluator`. The implementations (fnt.data, fnt.rollout, fnt.evaluation) import this module,
+not the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 from dataclasses_json import dataclass_json
 
-from fnt.batch import DataPosition
+from fnt.batch import DataPosition, RLBatch, SftBatch
 
 if TYPE_CHECKING:
-    from fnt.data.sft import JsonlData
-    from fnt.rollout.engine import InProcessEngine
-    from fnt.rollout.external import ExternalRollouts
-    from fnt.validation_pass import ValData
+    import torch
+    from torch import nn
+
+    from fnt.config import Config
+    from fnt.runtime import Runtime
+
+
+class Component(Protocol):
+    """A handle with a lifecycle: the driver saves `state_dict()` inside every checkpoint (the
+    same transaction as the weights), `restore_` passes it back to `load_state_dict`, and the
+    driver calls `close()` when the run ends, however it ends. A component whose state follows
+    from the config and Progress returns an empty dict."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs that the config and Progress do not say (tensors allowed)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back what `state_dict` returned (in the checkpoint a run resumes from)."""
+        ...
+
+    def close(self) -> None:
+        """Stop background work and release resources; the handle is not used afterwards."""
+        ...
+
+
+class Stateless:
+    """A Component whose state follows from the config and Progress and that runs nothing in the
+    background: nothing to save, restore or stop."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class SampleSource(Component, Protocol):
+    """SFT data (synthetic, or the corpus of data.sources): this rank's batch of the update
+    after `progress` (it starts at `progress.data`)."""
+
+    def batch(self, progress: Progress) -> SftBatch: ...
+
+
+class RolloutSource(Component, Protocol):
+    """RL rollouts: this rank's batch of the update after `state`."""
+
+    def rollout(self, state: TrainState) -> RLBatch: ...
+
+
+class Evaluator(Component, Protocol):
+    """Held-out evaluation: the metrics of the model as `state` holds it, without the val/
+    prefix (e.g. loss, perplexity, num_tokens, reward/mean). Every rank calls it at the same
+    point; it changes nothing that training uses."""
+
+    def evaluate(self, state: TrainState) -> dict[str, float]: ...
 
 
 @dataclass_json
@@ -65,32 +127,43 @@ class StepCursor:
 
 @dataclass(frozen=True)
 class Handles:
-    """References to what the step functions mutate; the referents change, the references never."""
+    """References to what the step functions and sources use. The model, the optimizer and the
+    sources' handles change in place; the references never change."""
 
-    model: Any
+    model: nn.Module
     """The (possibly FSDP2-sharded) model."""
-    optimizer: Any
-    """The optimizer over the model's parameters."""
-    runtime: Any
+    optimizer: torch.optim.Optimizer
+    """The optimizer over the model's trainable parameters."""
+    runtime: Runtime
     """The frozen runtime record from setup_trainer (ranks, device, mesh)."""
     cursor: StepCursor
     """Guard against stepping a consumed state."""
-    data: Optional[JsonlData] = None
-    """SFT on JSONL sources: the tokenized corpus and its sample order (None otherwise)."""
-    rollouts: Optional[Union[InProcessEngine, ExternalRollouts]] = None
+    data: Optional[SampleSource] = None
+    """SFT: the synthetic rows, or the tokenized corpus of data.sources and its sample order
+    (None for RL)."""
+    rollouts: Optional[RolloutSource] = None
     """RL: where each step's rollouts come from (None for SFT)."""
-    ref_model: Any = None
+    ref_model: Optional[nn.Module] = None
     """RL with loss.ref_kl_tau > 0 and ref_source = "model": the frozen reference policy, sharded
     like the model, without gradients; never in the optimizer or a checkpoint (None otherwise)."""
-    val: Optional[ValData] = None
-    """The validation samples and prompts (fnt.validation_pass); None without validation."""
+    val: Optional[Evaluator] = None
+    """The held-out samples and prompts (fnt.evaluation.EvalData); None without [val]."""
+
+    def components(self) -> dict[str, Component]:
+        """The sources' handles this state has, by field name: what checkpoints save and restore
+        and what the driver closes."""
+        return {
+            name: handle
+            for name in ("data", "rollouts", "val")
+            if (handle := getattr(self, name)) is not None
+        }
 
 
 @dataclass(frozen=True)
 class TrainState:
     """The record the fold passes from step to step."""
 
-    config: Any
+    config: Config
     progress: Progress
     handles: Handles
 

@@ -182,7 +182,7 @@ def portable_init_(model: torch.nn.Module, std: float, seed: int) -> None:
                 param.copy_((unit * 2 - 1) * half_width)
 
 
-def make_tiny_model(out: Path, args: argparse.Namespace) -> None:
+def make_tiny_model_(out: Path, args: argparse.Namespace) -> None:
     tok = (
         byte_level_tokenizer()
         if args.chat_template is None
@@ -238,5 +238,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    make_tiny_model(args.out, args)
+    make_tiny_model_(args.out, args)
     print(json.dumps({"out": str(args.out), "moe": args.moe, "arch": args.arch}))

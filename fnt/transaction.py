@@ -19,8 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-COMPLETE_MARKER = "COMPLETE"
-PARTIAL_SUFFIX = ".partial"
+from fnt.rundir import COMPLETE_MARKER, PARTIAL_SUFFIX
 
 
 def is_complete(path: Path) -> bool:
@@ -40,7 +39,7 @@ def begin_dir_(final: Path) -> Path:
     return partial
 
 
-def write_synced(path: Path, text: str) -> None:
+def write_synced_(path: Path, text: str) -> None:
     """Write a text file and fsync it."""
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -83,7 +82,7 @@ def commit_dir_(
     marker and the rename (the crash tests kill the process there).
     """
     _fsync_tree(partial)
-    write_synced(partial / COMPLETE_MARKER, marker_text)
+    write_synced_(partial / COMPLETE_MARKER, marker_text)
     fsync_dir(partial)
     if before_rename is not None:
         before_rename()

@@ -1,23 +1,25 @@
-"""The parts of an optimizer step that SFT and RL share. Side effects: collectives, grads, params.
+"""The parts of an optimizer step that SFT and RL share (and a research step of your own can
+use: both are public). Side effects: collectives, grads, params.
 
 A step function hands its per-micro-batch loss to `accumulate_gradients_`, then calls
-`optimizer_update_` once. Both SFT and RL normalize by the GLOBAL number of loss tokens of the
-step (all micro-batches, all ranks), so k micro-batches or n ranks give the gradient of one big
-batch. A loss sees the model only through the log-probabilities of its loss tokens, which the LM
+`complete_step_` once: the optimizer update (`optimizer_update_`), the step's metrics and the
+successor state. Both SFT and RL normalize by the GLOBAL number of loss tokens of the step (all
+micro-batches, all ranks; `step_counts`), so k micro-batches or n ranks give the gradient of one
+big batch. A loss sees the model only through the log-probabilities of its loss tokens, which the LM
 head computes in chunks without ever holding the full logits (fnt/lm_head.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from fnt.attention import packed_inputs
 from fnt.batch import PackedRows, to_device
+from fnt.collectives import all_reduce_max, all_reduce_sum
 from fnt.config import ModelConfig
 from fnt.lm_head import (
     LossTokens,
@@ -30,21 +32,17 @@ from fnt.lm_head import (
 from fnt.metrics import merge_metrics
 from fnt.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
 from fnt.optim import set_lr_
+from fnt.runtime import Runtime
+
+if TYPE_CHECKING:
+    from fnt.state import TrainState
 from fnt.schedule import lr_at
-from fnt.setup import Runtime
 
 # (the log-probabilities of the micro-batch's N loss tokens, the micro-batch on the device) ->
 # (sum of the per-token loss over the loss tokens, extra metric sums). The loss sum must be a
 # differentiable scalar that depends on the model only through TokenLogprobs.logp [N]; the sums
 # are detached scalars. TokenLogprobs.entropy is set when accumulate_gradients_ is asked for it.
 LossFn = Callable[[TokenLogprobs, Any], tuple[Tensor, dict[str, Tensor]]]
-
-
-def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
-    """Sum a tensor over all ranks (identity in a single process)."""
-    if distributed:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
 
 
 def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int:
@@ -58,11 +56,7 @@ def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int
     maximum over ranks.
     """
     count = max((i + 1 for i, n in enumerate(loss_tokens_per_mb) if n), default=1)
-    if runtime.distributed:
-        count_t = torch.tensor([count], dtype=torch.int64, device=runtime.device)
-        dist.all_reduce(count_t, op=dist.ReduceOp.MAX)
-        count = int(count_t.item())
-    return count
+    return int(all_reduce_max([count], runtime)[0])
 
 
 def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
@@ -86,6 +80,37 @@ def forward_loss_tokens(
     with chunked_head(model, tokens, chunk_tokens):
         stats = packed_logits(model, rows)  # what the head returned: the statistics
     return stats, logprobs_of(stats, tokens)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """A step's batch counted over all micro-batches of all ranks."""
+
+    loss_tokens: float
+    samples: float
+    tokens: float
+
+
+def step_counts(
+    batch: Any,
+    runtime: Runtime,
+    rows_of: Callable[[Any], PackedRows] = lambda mb: mb,
+    extra: Sequence[float] = (),
+) -> tuple[StepCounts, list[float]]:
+    """The step's global loss tokens, samples and tokens (positions), and the global sums of this
+    rank's `extra` values (e.g. a step function's own decision counts): one all-reduce."""
+    local = torch.tensor(
+        [
+            float(sum(int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
+            float(batch.num_samples),
+            float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
+            *map(float, extra),
+        ],
+        dtype=torch.float64,
+        device=runtime.device,
+    )
+    loss_tokens, samples, tokens, *sums = all_reduce_sum(local, runtime.distributed).tolist()
+    return StepCounts(loss_tokens, samples, tokens), sums
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,7 @@ def accumulate_gradients_(
     entropy: bool = False,
     chunk_tokens: int = ModelConfig.loss_chunk_tokens,
     per_sample: bool = False,
+    counts: Optional[StepCounts] = None,
 ) -> StepTotals:
     """Accumulate into `.grad` the gradient of (global loss sum / global loss-token count), or
     of (global loss sum / global sample count) when `per_sample` (a loss that sums per-sample
@@ -140,20 +166,14 @@ def accumulate_gradients_(
     same backward collectives, so it back-propagates an all-zero surrogate instead, through the
     head's output and so through every parameter the real loss reaches; should non-finite values
     still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
-    the update. Checking finiteness costs one host sync per micro-batch.
+    the update. Checking finiteness costs one host sync per micro-batch. `counts` are the step's
+    `step_counts`, when the step function has them already (else they are counted here).
     """
     device, distributed = runtime.device, runtime.distributed
     loss_tokens_per_mb = [int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
-    local = torch.tensor(
-        [
-            float(sum(loss_tokens_per_mb)),
-            float(batch.num_samples),
-            float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
-        ],
-        dtype=torch.float64,
-        device=device,
-    )
-    loss_tokens, samples, tokens = all_reduce_sum(local, distributed).tolist()
+    if counts is None:
+        counts, _ = step_counts(batch, runtime, rows_of)
+    loss_tokens, samples, tokens = counts.loss_tokens, counts.samples, counts.tokens
     # FSDP2 averages gradients over the data-parallel ranks; scaling by dp turns that average
     # back into the global sum before the division by the global count.
     denominator = samples if per_sample else loss_tokens
@@ -245,30 +265,28 @@ def optimizer_update_(
 
 
 def complete_step_(
-    state: Any,
+    state: TrainState,
     batch: Any,
     totals: StepTotals,
-    loss_metrics: dict[str, Any],
-    fwd_bwd_seconds: float,
+    loss_metrics: Optional[Mapping[str, Any]] = None,
+    fwd_bwd_seconds: Optional[float] = None,
     skip_update: bool = False,
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[TrainState, dict[str, Any]]:
     """The shared tail of every step: optimizer update, the step's metrics, the successor state.
 
     `loss_metrics` are the step function's own (e.g. loss/perplexity, entropy/all/mean); the
-    batch's data-side metrics are appended so the row carries them too. `skip_update` (the same
-    on every rank) makes no update, as a non-finite gradient does (optimizer_update_); the step
-    still counts, so its data is consumed and its row written.
+    batch's data-side metrics are appended so the row carries them too; `fwd_bwd_seconds`, when
+    measured, becomes time/forward_backward. `skip_update` (the same on every rank) makes no
+    update, as a non-finite gradient does (optimizer_update_); the step still counts, so its
+    data is consumed and its row written.
     """
     handles = state.handles
     optim_metrics = optimizer_update_(
         handles.model, handles.optimizer, state.progress.step + 1, state.config, skip_update
     )
+    timing = {} if fwd_bwd_seconds is None else {"time/forward_backward": fwd_bwd_seconds}
     metrics = merge_metrics(
-        totals.metrics(),
-        loss_metrics,
-        optim_metrics,
-        {"time/forward_backward": fwd_bwd_seconds},
-        batch.metrics,
+        totals.metrics(), loss_metrics or {}, optim_metrics, timing, batch.metrics
     )
     progress = state.progress
     next_state = state.advance(

@@ -40,7 +40,7 @@ from fnt.config import ParallelConfig
 from fnt.data.synthetic import synthetic_rows
 from fnt.optim.setup import NO_OFFLOAD
 from fnt.parallel import plan_parallel_dims
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
 from fnt.tiny_model import byte_level_tokenizer, parse_args, tiny_config
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss

@@ -55,15 +55,16 @@ from torch import Tensor, nn
 from fnt.batch import RLBatch, RLMicroBatch, to_device
 from fnt.config import RLLossConfig
 from fnt.lm_head import TokenLogprobs, loss_tokens_of
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
 from fnt.state import TrainState
 from fnt.update import (
+    StepCounts,
     StepTotals,
     accumulate_gradients_,
-    all_reduce_sum,
     complete_step_,
     forward_loss_tokens,
     micro_batches_to_run,
+    step_counts,
 )
 from steps.rl_losses import LossInputs, aggregate, ref_kl_k3, sample_ids_of, token_loss
 
@@ -167,10 +168,12 @@ def rl_gradients_(
     config: RLLossConfig,
     chunk_tokens: int,
     ref_model: Optional[nn.Module] = None,
+    counts: Optional[StepCounts] = None,
 ) -> StepTotals:
     """accumulate_gradients_ with the RL loss: logprobs and entropies at each token's sampling
     temperature, in chunks of `chunk_tokens` loss tokens (0: from the full logits). With
-    loss.ref_kl_tau > 0 and `ref_model`, the reference logprobs come from it first."""
+    loss.ref_kl_tau > 0 and `ref_model`, the reference logprobs come from it first. `counts`:
+    the step's global counts, when the caller has them (fnt.update.step_counts)."""
     if config.ref_kl_tau and ref_model is not None:
         batch = reference_logprobs(ref_model, batch, runtime, chunk_tokens)
     return accumulate_gradients_(
@@ -183,6 +186,7 @@ def rl_gradients_(
         entropy=True,
         chunk_tokens=chunk_tokens,
         per_sample=config.aggregation == "sequence",
+        counts=counts,
     )
 
 
@@ -211,36 +215,25 @@ def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
     return metrics
 
 
-def zero_advantage_step(batch: RLBatch, runtime: Runtime) -> tuple[bool, list[float]]:
-    """(whether every loss token of the step, on every rank, has advantage 0; the global loss
-    tokens, samples and tokens). One all-reduce, so every rank decides alike."""
+def counts_and_zero_advantage(batch: RLBatch, runtime: Runtime) -> tuple[StepCounts, bool]:
+    """The step's global counts and whether every loss token of the step, on every rank, has
+    advantage 0: one all-reduce for both, so every rank decides alike."""
     nonzero = sum(int((mb.advantages[mb.rows.loss_mask] != 0).sum()) for mb in batch.micro_batches)
-    local = torch.tensor(
-        [
-            float(nonzero),
-            float(sum(int(mb.rows.loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
-            float(batch.num_samples),
-            float(sum(mb.rows.num_tokens for mb in batch.micro_batches)),
-        ],
-        dtype=torch.float64,
-        device=runtime.device,
-    )
-    total_nonzero, *counts = all_reduce_sum(local, runtime.distributed).tolist()
-    return total_nonzero == 0, counts
+    counts, (total_nonzero,) = step_counts(batch, runtime, lambda mb: mb.rows, extra=[nonzero])
+    return counts, total_nonzero == 0
 
 
-def skipped_totals(counts: list[float], per_sample: bool) -> StepTotals:
+def skipped_totals(counts: StepCounts, per_sample: bool) -> StepTotals:
     """The totals of a step that ran no forward/backward: NaN loss, no metric sums."""
-    loss_tokens, samples, tokens = counts
     return StepTotals(
         loss_sum=torch.tensor(float("nan")),
         nan_count=torch.zeros(()),
         sums={},
-        loss_tokens=loss_tokens,
-        samples=samples,
-        tokens=tokens,
+        loss_tokens=counts.loss_tokens,
+        samples=counts.samples,
+        tokens=counts.tokens,
         moe_stats=None,
-        loss_denominator=samples if per_sample else None,
+        loss_denominator=counts.samples if per_sample else None,
     )
 
 
@@ -251,9 +244,9 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     state.check_current()
     started = time.perf_counter()
     config, runtime = state.config.loss, state.handles.runtime
-    skip = False
-    if not config.ref_kl_tau:
-        skip, counts = zero_advantage_step(batch, runtime)
+    counts, zero_advantages = counts_and_zero_advantage(batch, runtime)
+    # With the reference KL on, the KL is a learning signal of its own: no step is skipped.
+    skip = zero_advantages and not config.ref_kl_tau
     if skip:
         totals = skipped_totals(counts, config.aggregation == "sequence")
     else:
@@ -264,6 +257,7 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
             config,
             state.config.model.loss_chunk_tokens,
             ref_model=state.handles.ref_model,
+            counts=counts,
         )
     metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
     return complete_step_(

@@ -44,7 +44,9 @@ def test_the_readme_research_loop_is_short_public_and_trains(tiny_model_dir, tmp
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
-    assert [int(step) for step, _ in rows] == list(range(1, 21))
+    *rows, restored = [line.split() for line in out.stdout.splitlines()]
+    assert [int(step) for step, _ in rows] == list(range(1, 11))
     losses = [float(loss) for _, loss in rows]
     assert losses[-1] < losses[0], losses
+    assert restored == ["restored", "10"]
+    assert (tmp_path / "runs" / "default" / "checkpoints" / "step_10" / "COMPLETE").is_file()

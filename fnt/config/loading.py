@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -181,6 +182,15 @@ def _build(cls: type, values: dict, sources: dict[str, str], prefix: str = "") -
         key = prefix + f.name
         tp = hints[f.name]
         raw = values[f.name]
+        if canonical_value(key, raw) != raw:
+            source = sources.get(key, "config")
+            if source != "json" and os.environ.get("RANK", "0") == "0":
+                print(
+                    f"warning: '{key}' = {json.dumps(raw)} ({source}) is deprecated: it is now "
+                    f"spelled {json.dumps(canonical_value(key, raw))}, which means the same",
+                    file=sys.stderr,
+                )
+            raw = canonical_value(key, raw)
         if dataclasses.is_dataclass(tp):
             if not isinstance(raw, dict):
                 raise ConfigError(
@@ -227,6 +237,17 @@ def _set_nested(target: dict, dotted: str, value: Any) -> None:
 # Command-line spellings of keys whose TOML name cannot have them: `resume` is a value, so it
 # cannot also be the section of `resume.force`.
 _ALIASES = {"resume.force": "resume_force"}
+
+# Old values that still work, by key: old value -> its current name.
+VALUE_ALIASES: dict[str, dict[Any, Any]] = {"data.kind": {"jsonl": "sources"}}
+
+
+def canonical_value(key: str, value: Any) -> Any:
+    """The current spelling of `value` for `key` (an old one in VALUE_ALIASES is renamed)."""
+    try:
+        return VALUE_ALIASES.get(key, {}).get(value, value)
+    except TypeError:  # an unhashable value (a list) is no alias
+        return value
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,8 @@ class DataSourceConfig:
 class DataConfig:
     """The SFT training data: synthetic, or sources (files, datasets) mixed by weight."""
 
-    kind: Literal["synthetic", "jsonl"] = "synthetic"
-    """synthetic: generated counting sequences (debugging); jsonl: the sources below (any kind)."""
+    kind: Literal["synthetic", "sources"] = "synthetic"
+    """synthetic: counting sequences (debugging); sources: data.sources ("jsonl", the old name)."""
     sources: tuple[DataSourceConfig, ...] = ()
     """Sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}, {dataset = "org/name"}]."""
     overlong: Literal["truncate", "drop", "error"] = "truncate"
@@ -139,7 +139,8 @@ class DataConfig:
 @dataclass_json
 @dataclass(frozen=True)
 class ValConfig:
-    """Validation during training: the loss on held-out samples; in RL, greedy answers' reward."""
+    """Held-out evaluation during training: the loss on held-out samples; in RL, the reward of
+    greedy answers."""
 
     sources: tuple[DataSourceConfig, ...] = ()
     """Held-out samples (same kinds as data.sources, weights unused) for val/loss."""
@@ -247,7 +248,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """The training data."""
     val: ValConfig = field(default_factory=ValConfig)
-    """Validation during training."""
+    """Held-out evaluation during training."""
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     """Checkpointing."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -425,6 +426,25 @@ def markdown_keys(cls: type = RLConfig) -> str:
     return "\n".join(lines)
 
 
+# What a data source's path is, by its form (fnt.data.load reads each kind).
+COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+GLOB_CHARS = "*?["
+
+
+def source_kind(source: DataSourceConfig) -> str:
+    """dataset, glob, directory, parquet, arrow or jsonl: a Hugging Face dataset, a path with
+    `*`, `?` or `[`, an existing directory, a file by its suffix, and any other path. Pure apart
+    from asking whether the path is a directory."""
+    if source.dataset:
+        return "dataset"
+    if any(char in source.path for char in GLOB_CHARS):
+        return "glob"
+    if os.path.isdir(source.path):
+        return "directory"
+    suffix = os.path.splitext(source.path)[1]
+    return suffix[1:] if suffix in COLUMNAR_SUFFIXES else "jsonl"
+
+
 def source_name(source: DataSourceConfig) -> str:
     """A source's metric name: its `name`, else the file's stem (a glob's up to the first
     wildcard) or the dataset's last part."""
@@ -434,10 +454,17 @@ def source_name(source: DataSourceConfig) -> str:
         return source.dataset.rstrip("/").rsplit("/", 1)[-1]
     path = source.path.rstrip("/")
     stem = os.path.splitext(os.path.basename(path))[0]
-    if any(char in path for char in "*?["):  # a glob: the name before its first wildcard
+    if source_kind(source) == "glob":  # the name before its first wildcard
         before = re.split(r"[*?\[]", path)[0]
         stem = os.path.basename(before).strip("-_.") or os.path.basename(before.rstrip("/"))
     return stem or "files"
+
+
+def repeated_source_names(sources) -> list[str]:
+    """The metric names (`source_name`) more than one of `sources` has, sorted: they must
+    differ, as they key the progress/{source}/* metrics. Pure."""
+    names = [source_name(source) for source in sources]
+    return sorted({name for name in names if names.count(name) > 1})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ from fnt.config.schema import (
     DataSourceConfig,
     RLConfig,
     RolloutConfig,
+    repeated_source_names,
     source_name,
 )
 from fnt.errors import ConfigError
-from fnt.parallel import plan_parallel_dims
+from fnt.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.rewards import import_function
 
 
@@ -67,11 +68,11 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         "resume",
         'must be a step number >= 0, "latest", true/false or none',
     )
-    if config.data.kind == "jsonl":
+    if config.data.kind == "sources":
         require(
             bool(config.data.sources),
             "data.sources",
-            'data.kind = "jsonl" needs at least one source',
+            'data.kind = "sources" needs at least one source',
         )
         validate_sources(config.data.sources, "data.sources")
         require(
@@ -82,13 +83,8 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     validate_val(config)
     # ep does not change the data-parallel size; setup checks it against the model.
     dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp
-    rows_per_pass = config.micro_batch_size * dp
-    require(
-        config.batch_size % rows_per_pass == 0,
-        "batch_size",
-        f"must be divisible by micro_batch_size ({config.micro_batch_size}) x data-parallel size "
-        f"({dp}) = {rows_per_pass}",
-    )
+    layout = batch_layout_problem(config.batch_size, config.micro_batch_size, dp)
+    require(layout is None, "batch_size", str(layout))
     if isinstance(config, RLConfig):
         require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
         require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
@@ -168,8 +164,8 @@ def validate_sources(sources: tuple[DataSourceConfig, ...], key: str) -> None:
             )
         if source.weight <= 0:
             raise ConfigError(f"'{at}.weight' = {source.weight}: must be > 0")
-    names = [source_name(s) for s in sources]
-    if len(set(names)) != len(names):
+    if repeated_source_names(sources):
+        names = [source_name(s) for s in sources]
         raise ConfigError(
             f"'{key}': source names must differ (they name metrics), got {names}: set 'name'"
         )

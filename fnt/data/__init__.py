@@ -1,8 +1,8 @@
 """The SFT data pipeline: JSONL chats to packed, rank-sharded batches, and synthetic debugging
-data. Pure except that load_jsonl_data and load_corpus read the source files.
+data. Pure except that load_source_data and load_corpus read the source files.
 
     records (chat) -> Corpus (load, corpus) -> SampleOrder (order) -> StepPlan, PackedRows
-    (packing) -> SftBatch per rank (sft: JsonlData.batch)
+    (packing) -> SftBatch per rank (sft: SourceData.batch)
 
 The order of samples is a pure function of (seed, epoch, cursor); fnt.data.order defines what an
 epoch is with weighted sources.
@@ -14,24 +14,23 @@ from fnt.data.corpus import Corpus, SampleFate, fit_to_length
 from fnt.data.load import load_corpus
 from fnt.data.order import SampleOrder, epoch_order, source_quotas
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
-from fnt.data.sft import JsonlData, check_batch_layout, load_jsonl_data, rank_batch
+from fnt.data.sft import SourceData, load_source_data, rank_batch
 from fnt.data.synthetic import synthetic_batch, synthetic_rows
 from fnt.errors import DataError
 
 __all__ = [
     "ChatMasking",
     "Corpus",
-    "JsonlData",
+    "SourceData",
     "DataError",
     "SampleFate",
     "SampleOrder",
     "StepPlan",
-    "check_batch_layout",
     "conversation_from_record",
     "epoch_order",
     "fit_to_length",
     "load_corpus",
-    "load_jsonl_data",
+    "load_source_data",
     "pack_rows",
     "plan_step",
     "rank_batch",

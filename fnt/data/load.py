@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
-from fnt.config import source_name
+from fnt.config.schema import (
+    COLUMNAR_SUFFIXES,
+    repeated_source_names,
+    source_kind,
+    source_name,
+)
 from fnt.data.chat import (
     ChatMasking,
     conversation_from_record,
@@ -39,14 +43,13 @@ from fnt.data.chat import (
 )
 from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
 from fnt.errors import DataError
+from fnt.jsonl import jsonl_records
 from fnt.tokenizer import stop_token_ids
 
-COLUMNAR_SUFFIXES = (".parquet", ".arrow")
-GLOB_CHARS = "*?["
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
 
 
-class Source(Protocol):
+class DataSource(Protocol):
     path: str
     dataset: str
     subset: str
@@ -59,7 +62,7 @@ class Source(Protocol):
 
 
 def load_corpus(
-    sources: Sequence[Source],
+    sources: Sequence[DataSource],
     tokenizer,
     *,
     seq_len: int,
@@ -83,10 +86,10 @@ def load_corpus(
             "data.chat_template"
         )
     names = [source_name(source) for source in sources]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
+    repeated = repeated_source_names(sources)
+    if repeated:
         raise ValueError(
-            f"data source names must be unique (they key metrics); repeated: {duplicates}"
+            f"data source names must be unique (they key metrics); repeated: {repeated}"
         )
     corpus = Corpus.build(
         (
@@ -110,7 +113,7 @@ def load_corpus(
 
 
 def _fitted_samples(
-    source: Source, tokenizer, *, seq_len: int, overlong: str, masking: ChatMasking
+    source: DataSource, tokenizer, *, seq_len: int, overlong: str, masking: ChatMasking
 ) -> Iterator[tuple[list[int], list[bool], SampleFate]]:
     found = False
     for location, record in source_records(source):
@@ -143,7 +146,7 @@ def _fitted_samples(
 CHAT_KEYS = ("messages", "prompt", "completion")
 
 
-def chat_record(record: object, source: Source) -> object:
+def chat_record(record: object, source: DataSource) -> object:
     """The record with the source's columns renamed to the keys fnt.data.chat reads: messages,
     or prompt and completion. Keys with those names that are not the source's columns are left
     out, so a record is read through its configured columns only; every other key passes
@@ -175,7 +178,7 @@ def chat_record(record: object, source: Source) -> object:
     return out
 
 
-def _columns(source: Source) -> tuple[str, str, str]:
+def _columns(source: DataSource) -> tuple[str, str, str]:
     return source.messages_column, source.prompt_column, source.completion_column
 
 
@@ -193,21 +196,7 @@ def without_nulls(value: Any) -> Any:
 # Record readers, one per kind of source
 
 
-def source_kind(source: Source) -> str:
-    """jsonl, parquet, arrow, directory, glob or dataset (see the module docstring)."""
-    if source.dataset:
-        return "dataset"
-    if any(char in source.path for char in GLOB_CHARS):
-        return "glob"
-    path = Path(source.path)
-    if path.is_dir():
-        return "directory"
-    if path.suffix in COLUMNAR_SUFFIXES:
-        return path.suffix[1:]
-    return "jsonl"
-
-
-def source_label(source: Source) -> str:
+def source_label(source: DataSource) -> str:
     """How messages name a source: its path, or the dataset with its subset and split."""
     if source.dataset:
         subset = f"subset {source.subset!r}, " if source.subset else ""
@@ -215,7 +204,7 @@ def source_label(source: Source) -> str:
     return source.path
 
 
-def source_records(source: Source) -> Iterator[tuple[str, object]]:
+def source_records(source: DataSource) -> Iterator[tuple[str, object]]:
     """(location, record) of every record of a source, in its fixed order."""
     kind = source_kind(source)
     if kind == "dataset":
@@ -234,25 +223,13 @@ def file_records(path: Path) -> Iterator[tuple[str, object]]:
     """The records of one file, read by its suffix: parquet, Arrow, else JSONL."""
     if path.suffix in COLUMNAR_SUFFIXES:
         return columnar_file_records(path)
-    return jsonl_records(path)
+    return jsonl_file_records(path)
 
 
-def jsonl_records(path: Path) -> Iterator[tuple[str, object]]:
-    """The parsed JSON of every non-blank line; DataError for a line that is not JSON."""
-    try:
-        file = path.open("rb")
-    except OSError as e:
-        raise DataError(f"cannot read data source {path}: {e}") from e
-    with file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            location = f"{path}, line {line_number}"
-            try:
-                record = json.loads(line.decode("utf-8"))
-            except ValueError as e:  # bad JSON and bad UTF-8 both subclass ValueError
-                raise DataError(f"{location}: {e}") from e
-            yield location, record
+def jsonl_file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """The parsed JSON of every non-blank line, located as `file, line N` (fnt.jsonl)."""
+    for line_number, record in jsonl_records(path, f"data source {path}"):
+        yield f"{path}, line {line_number}", record
 
 
 def directory_files(directory: Path) -> list[Path]:

@@ -1,4 +1,4 @@
-"""SFT batches from JSONL sources. Side effects: `load_jsonl_data` reads and tokenizes the sources
+"""SFT batches from JSONL sources. Side effects: `load_source_data` reads and tokenizes the sources
 once, so data errors surface before training; the rest is pure.
 
 Every rank plans each global step identically (fnt.data.packing), then materializes only its own
@@ -12,17 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from fnt.batch import DataPosition, SftBatch
+from fnt.batch import SftBatch
 from fnt.data.corpus import Corpus
-from fnt.data.load import Source, load_corpus
+from fnt.data.load import DataSource, load_corpus
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
-from fnt.parallel import rank_share
+from fnt.parallel import check_batch_layout, rank_share
+from fnt.state import Progress, Stateless
 from fnt.tokenizer import chat_masking, pad_token_id
 
 
 class DataConfig(Protocol):
-    sources: Sequence[Source]
+    sources: Sequence[DataSource]
     overlong: str
     shuffle: bool
     loss_mask: Sequence[str]
@@ -32,8 +33,9 @@ class DataConfig(Protocol):
 
 
 @dataclass(frozen=True)
-class JsonlData:
-    """A tokenized corpus, its sample order and this rank's batch layout."""
+class SourceData(Stateless):
+    """A tokenized corpus, its sample order and this rank's batch layout (a SampleSource: all it
+    has to remember is the data position, which Progress holds)."""
 
     corpus: Corpus
     order: SampleOrder
@@ -50,8 +52,10 @@ class JsonlData:
             self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
         )
 
-    def batch(self, start: DataPosition) -> SftBatch:
-        """This rank's batch of the step that starts at `start`; it ends at `data_after`."""
+    def batch(self, progress: Progress) -> SftBatch:
+        """This rank's batch of the update after `progress`: it starts at `progress.data` and
+        ends at its `data_after`."""
+        start = progress.data
         self.order.check(start)
         plan = plan_step(
             self.order, start, self.corpus.length, seq_len=self.seq_len, batch_size=self.batch_size
@@ -67,7 +71,7 @@ class JsonlData:
         )
 
 
-def load_jsonl_data(
+def load_source_data(
     data_cfg: DataConfig,
     tokenizer,
     *,
@@ -77,7 +81,7 @@ def load_jsonl_data(
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
-) -> JsonlData:
+) -> SourceData:
     """Read and tokenize the sources; the batch layout is checked before any file is read."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     pad = pad_token_id(tokenizer)
@@ -94,7 +98,7 @@ def load_jsonl_data(
         seed=seed,
         shuffle=data_cfg.shuffle,
     )
-    return JsonlData(
+    return SourceData(
         corpus, order, seq_len, batch_size, micro_batch_size, dp_rank, dp_size, pad_token_id=pad
     )
 
@@ -128,20 +132,3 @@ def rank_batch(
         data_after=plan.data_after,
         metrics=step_metrics(plan, corpus, seq_len=seq_len),
     )
-
-
-def check_batch_layout(
-    batch_size: int, micro_batch_size: int, *, dp_rank: int, dp_size: int
-) -> None:
-    """ValueError unless batch_size rows split evenly over ranks and then into micro-batches."""
-    if dp_size < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-    if micro_batch_size < 1 or batch_size < 1:
-        raise ValueError(
-            f"batch_size and micro_batch_size must be >= 1, got {batch_size} and {micro_batch_size}"
-        )
-    if batch_size % (dp_size * micro_batch_size):
-        raise ValueError(
-            f"batch_size={batch_size} (global rows per step) must be a multiple of "
-            f"dp_size * micro_batch_size = {dp_size} * {micro_batch_size}"
-        )

@@ -7,10 +7,13 @@ tokenizer), so a model can learn it in a few steps. A step's rows are a pure fun
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from fnt.batch import DataPosition, PackedRows, SftBatch
-from fnt.parallel import rank_bounds
+from fnt.parallel import check_batch_layout, rank_bounds
+from fnt.state import Progress, Stateless
 
 _VOCAB = 256
 
@@ -69,3 +72,34 @@ def synthetic_batch(
         num_samples=sum(docs_per_row[lo:hi]),
         data_after=DataPosition(epoch=0, cursor=start.cursor + sum(docs_per_row)),
     )
+
+
+@dataclass(frozen=True)
+class SyntheticData(Stateless):
+    """data.kind = "synthetic" as a SampleSource: its rows follow from (seed, step), so it has
+    nothing to remember."""
+
+    seed: int
+    batch_size: int
+    micro_batch_size: int
+    seq_len: int
+    dp_rank: int
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        check_batch_layout(
+            self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
+        )
+
+    def batch(self, progress: Progress) -> SftBatch:
+        """This rank's batch of update progress.step + 1."""
+        return synthetic_batch(
+            seed=self.seed,
+            step=progress.step + 1,
+            start=progress.data,
+            batch_size=self.batch_size,
+            micro_batch_size=self.micro_batch_size,
+            seq_len=self.seq_len,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        )

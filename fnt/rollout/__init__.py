@@ -3,7 +3,7 @@ Pure except the engine (fnt.rollout.engine), which loads a model copy, syncs it 
 generates and all-reduces metrics, and load_prompts, which reads the prompts file.
 
     load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.parallel)
-    -> generate (generate) -> score (engine, with fnt.rewards) -> group_advantages (advantages)
+    -> generate (generate) -> score (fnt.rewards) -> group_advantages (advantages)
     -> pack_rollouts (pack) -> RLBatch per rank (InProcessEngine.rollout)
 """
 
@@ -14,7 +14,6 @@ from fnt.rollout.engine import (
     reward_metrics,
     rollout_groups,
     rollout_metrics,
-    score,
 )
 from fnt.rollout.generate import Completion, generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, first_fit, pack_rollouts
@@ -45,6 +44,5 @@ __all__ = [
     "rollout_groups",
     "rollout_metrics",
     "sampling_seed",
-    "score",
     "step_prompts",
 ]

@@ -1,8 +1,9 @@
 """The in-process rollout engine. Side effects: loads an unsharded inference copy of the model,
 copies the live policy's weights into it before every rollout (a collective under FSDP2), reads
 the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed;
-with rollout.async_level > 0 it generates in a background thread and rank 0 writes the policies
-it samples from to {output_dir}/rollout_policy/ (see AsyncRollouts).
+with rollout.async_level > 0 it generates in a background thread, on a copy of its own, and the
+policies that thread still needs are part of the engine's state in every checkpoint (see
+AsyncRollouts).
 
 One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
@@ -21,35 +22,29 @@ their collectives getting out of step.
 
 from __future__ import annotations
 
+import copy
 import math
-import numbers
-import shutil
 import time
-from collections.abc import Collection, Sequence
-from pathlib import Path
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fnt.batch import DataPosition, RLBatch
+from fnt.collectives import all_reduce_max, all_reduce_sum, full_state_dict
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
-from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
 from fnt.model import load_hf_model
-from fnt.parallel import rank_bounds, rank_share
-from fnt.resume import complete_steps, list_checkpoints, step_of
-from fnt.rewards import RewardFn, keep_group, reward_function
+from fnt.parallel import check_batch_layout, rank_bounds, rank_share
+from fnt.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.generate import generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
 from fnt.state import TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
-from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
-from fnt.update import all_reduce_sum
 
 
 class InProcessEngine:
@@ -169,15 +164,9 @@ class InProcessEngine:
             micro_batch_size=config.micro_batch_size,
             temperature=rollout.temperature,
             pad_token_id=self.pad_token_id,
-            num_micro_batches=max_over_ranks(count, runtime),
+            num_micro_batches=int(all_reduce_max([count], runtime)[0]),
         )
-        metrics = rollout_metrics(
-            samples,
-            seconds,
-            distributed=runtime.distributed,
-            device=runtime.device,
-            generation_seconds=generation_seconds,
-        )
+        metrics = rollout_metrics(samples, seconds, runtime, generation_seconds=generation_seconds)
         metrics["rollout/staleness"] = float(staleness)
         return RLBatch(
             micro_batches=micro_batches,
@@ -186,17 +175,19 @@ class InProcessEngine:
             metrics=metrics,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The policies the background jobs of a resumed run need (async_level > 0), else {}."""
+        return {} if self.background is None else self.background.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.background is not None:
+            self.background.load_state_dict(state)
+
     def close(self) -> None:
-        """Stop the background generation, if any (waits for the running job)."""
+        """Stop the background generation, if any: pending jobs are cancelled, a running one is
+        waited for."""
         if self.background is not None:
             self.background.close()
-
-
-def full_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """The policy's full (unsharded) state dict, gathered from its FSDP2 shards: a collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
 
 
 def rollout_policy_step(step: int, async_level: int) -> int:
@@ -204,26 +195,22 @@ def rollout_policy_step(step: int, async_level: int) -> int:
     return max(0, step - 1 - async_level)
 
 
-POLICY_DIR = "rollout_policy"
-POLICY_FILE = "weights.pt"
-
-
 class AsyncRollouts:
     """Rollouts generated ahead in a background thread: rollout.async_level = k > 0.
 
     The rollouts of update n come from the policy after step p(n) = max(0, n - 1 - k), always
     exactly that one, so they do not depend on timing. When the trainer asks for update n (its
-    state holds the policy after step n - 1), the jobs of updates n .. n + k are in flight or
-    queued: update n + k is the one that needs the weights just reached, which are copied (a
-    collective under FSDP2, so in the calling thread) and handed to its job. One worker thread
-    runs the jobs in order on its own inference model, loading each job's weights first; it
-    samples and scores only, and the packing and the metric collectives run in the calling
-    thread, so no collective ever runs off the main thread.
+    state holds the policy after step n - 1), the jobs of updates n .. min(n + k, max_steps) are
+    in flight or queued: update n + k is the one that needs the weights just reached, which are
+    copied (a collective under FSDP2, so in the calling thread) and handed to its job. One
+    worker thread runs the jobs in order on an inference model of its own (the engine's copy
+    stays free for validation's greedy answers), loading each job's weights first; it samples
+    and scores only, and the packing and the metric collectives run in the calling thread, so no
+    collective ever runs off the main thread.
 
-    Exact resume: rank 0 writes each copied policy to {output_dir}/rollout_policy/step_p/ (a
-    transaction) before the step that follows it trains, so a run resumed at step m reloads the
-    policies m - k .. m - 1 its first rollouts need. Policies older than the newest complete
-    checkpoint minus k are deleted.
+    Exact resume: the copies of the policies a resumed run's first jobs need (after steps
+    m - k .. m - 1 for a checkpoint at m; the policy after m is the checkpoint's model) are the
+    engine's `state_dict`, which the driver saves in the checkpoint's transaction.
     """
 
     def __init__(self, engine: InProcessEngine) -> None:
@@ -231,8 +218,13 @@ class AsyncRollouts:
 
         self.engine = engine
         self.k = engine.config.rollout.async_level
+        self.model = copy.deepcopy(engine.model)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-rollout")
         self.jobs: dict[tuple[int, DataPosition], Any] = {}
+        # The copied policies, by step, that queued jobs or a resumed run may still need, and the
+        # oldest of them a checkpoint must hold.
+        self.policies: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_from = 0
 
     def rollout(self, state: TrainState) -> RLBatch:
         engine, k = self.engine, self.k
@@ -241,28 +233,25 @@ class AsyncRollouts:
         started = time.perf_counter()
         per_step = engine.config.rollout.prompts_per_step
         wanted = []
-        for j in range(step, step + k + 1):
+        for j in range(step, max(step, min(step + k, engine.config.max_steps)) + 1):
             wanted.append((j, position))
             _, position = step_prompts(engine.order, position, per_step)
         # A state off the expected chain (another step or position) makes the queue stale.
         for key in [key for key in self.jobs if key not in wanted]:
             self.jobs.pop(key).cancel()
-        live: Optional[dict[str, torch.Tensor]] = None
         for j, at in wanted:
             if (j, at) in self.jobs:
                 continue
             policy_step = rollout_policy_step(j, k)
-            if policy_step == state.progress.step:
-                if live is None:
-                    live = {
-                        n: t.detach().clone()
-                        for n, t in full_state_dict(state.handles.model).items()
-                    }
-                    self.save_policy(live, policy_step)
-                weights = live
-            else:
-                weights = self.load_policy(policy_step)
-            self.jobs[(j, at)] = self.pool.submit(self.job, weights, j, at)
+            if policy_step == state.progress.step and policy_step not in self.policies:
+                self.policies[policy_step] = {
+                    n: t.detach().clone() for n, t in full_state_dict(state.handles.model).items()
+                }
+            self.jobs[(j, at)] = self.pool.submit(self.job, self.policy(policy_step), j, at)
+        # The wanted jobs' policies stay (asking again for this update submits its job again);
+        # the checkpoint after this update holds the ones from step - k on.
+        self.policies = {p: w for p, w in self.policies.items() if p >= step - 1 - k}
+        self.saved_from = step - k
         samples, after, generation_seconds = self.jobs[wanted[0]].result()
         return engine.batch(
             samples,
@@ -272,47 +261,31 @@ class AsyncRollouts:
             staleness=state.progress.step - rollout_policy_step(step, k),
         )
 
+    def policy(self, policy_step: int) -> dict[str, torch.Tensor]:
+        if policy_step not in self.policies:
+            raise ConfigError(
+                f"rollout.async_level = {self.k}: the next rollouts come from the policy after "
+                f"step {policy_step}, which the checkpoint this run resumed from does not hold "
+                "(it was written with another async_level, or by an older fnt); resume with the "
+                "async_level it was written with, or from a checkpoint that has it"
+            )
+        return self.policies[policy_step]
+
     def job(self, weights: dict[str, torch.Tensor], step: int, position: DataPosition):
         started = time.perf_counter()
-        self.engine.model.load_state_dict(weights)
-        samples, after = self.engine.sample(self.engine.model, step, position)
+        self.model.load_state_dict(weights)
+        samples, after = self.engine.sample(self.model, step, position)
         return samples, after, time.perf_counter() - started
 
-    def policy_dir(self, policy_step: int) -> Path:
-        return Path(self.engine.config.output_dir) / POLICY_DIR / f"step_{policy_step}"
+    def state_dict(self) -> dict[str, Any]:
+        return {"policies": {p: w for p, w in self.policies.items() if p >= self.saved_from}}
 
-    def save_policy(self, weights: dict[str, torch.Tensor], policy_step: int) -> None:
-        """Rank 0: write the policy for a resumed run; prune the ones no resume can need."""
-        if not self.engine.runtime.is_main:
-            return
-        final = self.policy_dir(policy_step)
-        partial = begin_dir_(final)
-        torch.save(weights, partial / POLICY_FILE)
-        commit_dir_(partial, final, f"policy step {policy_step}\n", replace=True)
-        ckpt_root = Path(self.engine.config.output_dir) / "checkpoints"
-        oldest = min(policy_step, max(complete_steps(list_checkpoints(ckpt_root)), default=0))
-        for entry in final.parent.iterdir():
-            old = step_of(entry.name)
-            if old is not None and old < oldest - self.k:
-                (entry / COMPLETE_MARKER).unlink(missing_ok=True)
-                shutil.rmtree(entry, ignore_errors=True)
-
-    def load_policy(self, policy_step: int) -> dict[str, torch.Tensor]:
-        path = self.policy_dir(policy_step)
-        if not (path / COMPLETE_MARKER).is_file():
-            raise ConfigError(
-                f"rollout.async_level = {self.k}: the rollouts of the next steps come from the "
-                f"policy after step {policy_step}, but {path} is missing or incomplete (a run "
-                "resumed with async_level > 0 needs the rollout_policy/ directory of the run it "
-                "continues); resume with the run's output_dir as it was, or set "
-                "rollout.async_level = 0"
-            )
-        return torch.load(path / POLICY_FILE, map_location=self.engine.runtime.device)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.policies = dict(state.get("policies", {}))
 
     def close(self) -> None:
-        for job in self.jobs.values():
-            job.cancel()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.jobs.clear()
 
 
 def check_prompt_lengths(
@@ -328,31 +301,6 @@ def check_prompt_lengths(
                 f"rollout.max_new_tokens = {max_new_tokens} a sample can have {longest} tokens, "
                 f"more than seq_len = {seq_len}: raise seq_len or lower rollout.max_new_tokens"
             )
-
-
-def score(
-    texts: Sequence[str], prompt: Prompt, reward_fn: RewardFn, reward_name: str
-) -> list[float]:
-    """The reward of each completion text of one prompt (NaN and inf included: what to do with
-    them is rollout.on_bad_reward's, fnt.rewards.keep_group).
-
-    An error of the reward function, or a reward that is not a real number, raises a
-    ValueError naming the reward and the prompt's line in the prompts file.
-    """
-    rewards = []
-    where = f"the prompt of line {prompt.line} of rollout.prompts"
-    for text in texts:
-        try:
-            value = reward_fn(text, prompt.record)
-        except Exception as e:
-            raise ValueError(f"reward {reward_name!r} failed on {where}: {e}") from e
-        if not isinstance(value, numbers.Real):
-            raise ValueError(
-                f"reward {reward_name!r} returned {value!r} for {text!r} on {where}; "
-                "expected a float"
-            )
-        rewards.append(float(value))
-    return rewards
 
 
 def rollout_groups(
@@ -379,8 +327,8 @@ def rollout_groups(
     samples: list[RolloutSample] = []
     for prompt, completions in zip(prompts, groups):
         texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-        rewards = score(texts, prompt, reward_fn, rollout.reward)
         where = f"the prompt of line {prompt.line} of rollout.prompts"
+        rewards = score(texts, prompt.record, reward_fn, rollout.reward, where)
         if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
             advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0]
             advantages = advantages.tolist()
@@ -393,15 +341,6 @@ def rollout_groups(
     return samples
 
 
-def max_over_ranks(value: int, runtime: Runtime) -> int:
-    """The largest `value` of all ranks (a collective when distributed)."""
-    if not runtime.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=runtime.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:
     """reward/mean and reward/std (population) from the count, sum and sum of squares. Pure."""
     mean = reward_sum / count
@@ -411,9 +350,8 @@ def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[st
 def rollout_metrics(
     samples: Sequence[RolloutSample],
     seconds: float,
+    runtime: Runtime,
     *,
-    distributed: bool,
-    device: torch.device,
     generation_seconds: Optional[float] = None,
 ) -> dict[str, float]:
     """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
@@ -439,15 +377,12 @@ def rollout_metrics(
             len(samples) - float(finite.sum()),
         ],
         dtype=torch.float64,
-        device=device,
+        device=runtime.device,
     )
-    sums = all_reduce_sum(sums, distributed)
+    sums = all_reduce_sum(sums, runtime.distributed)
     generating = seconds if generation_seconds is None else generation_seconds
-    wall = torch.tensor([seconds, generating], dtype=torch.float64, device=device)
-    if distributed:
-        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    seconds, generating = all_reduce_max([seconds, generating], runtime)
     scored, reward_sum, reward_sq, tokens, truncated, count, bad = sums.tolist()
-    seconds, generating = wall.tolist()
     rewards_of = reward_metrics(scored, reward_sum, reward_sq) if scored else {}
     return {
         "reward/mean": rewards_of.get("reward/mean", math.nan),

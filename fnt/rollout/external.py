@@ -20,27 +20,29 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
 from fnt.batch import DataPosition, RLBatch
-from fnt.checkpoint import cleanup_checkpoints_
+from fnt.collectives import full_state_dict
 from fnt.config import RLConfig
-from fnt.data.sft import check_batch_layout
 from fnt.errors import DataError
 from fnt.export import without_tied_duplicates
-from fnt.parallel import rank_share
+from fnt.parallel import check_batch_layout, rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
-from fnt.setup import Runtime
-from fnt.state import TrainState
+from fnt.rundir import (
+    COMPLETE_MARKER,
+    POLICY_STEP_FILE,
+    ROLLOUTS_DIR,
+    SAMPLES_FILE,
+    WEIGHTS_DIR,
+    prune_steps_,
+    step_dir,
+)
+from fnt.runtime import Runtime
+from fnt.state import Stateless, TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
-from fnt.transaction import COMPLETE_MARKER, begin_dir_, commit_dir_
+from fnt.transaction import begin_dir_, commit_dir_
 
-ROLLOUTS_DIR = "rollouts"
-WEIGHTS_DIR = "weights"
-SAMPLES_FILE = "samples.jsonl"
-POLICY_STEP_FILE = "policy_step"
 POLL_SECONDS = 0.05
 
 
@@ -49,11 +51,11 @@ class RolloutTimeout(TimeoutError):
 
 
 def rollout_dir(output_dir: str, step: int) -> Path:
-    return Path(output_dir) / ROLLOUTS_DIR / f"step_{step}"
+    return step_dir(Path(output_dir) / ROLLOUTS_DIR, step)
 
 
 def weights_dir(output_dir: str, step: int) -> Path:
-    return Path(output_dir) / WEIGHTS_DIR / f"step_{step}"
+    return step_dir(Path(output_dir) / WEIGHTS_DIR, step)
 
 
 def wait_for_rollouts(path: Path, timeout_s: float) -> float:
@@ -249,8 +251,9 @@ def with_ref_logprobs(micro_batches, share, refs, pack) -> tuple:
     )
 
 
-class ExternalRollouts:
-    """Reads each step's rollouts from the orchestrator's files; built once per run.
+class ExternalRollouts(Stateless):
+    """Reads each step's rollouts from the orchestrator's files; built once per run (a
+    RolloutSource whose position is in Progress and whose files are the orchestrator's).
 
     `rollout(state)` waits for rollouts/step_{state.progress.step + 1}/ and returns this rank's
     share. Publishing the policy is `publish_weights_`, which the driver calls for every state it
@@ -334,9 +337,7 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     replacing that directory. Returns the directory on rank 0, None elsewhere.
     """
     config, runtime, model = state.config, state.handles.runtime, state.handles.model
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    full = full_state_dict(model, cpu_offload=True)
     if not runtime.is_main:
         return None
     final = weights_dir(config.output_dir, state.progress.step)
@@ -346,5 +347,5 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     )
     load_tokenizer(config.model.name).save_pretrained(partial)
     commit_dir_(partial, final, f"step {state.progress.step}\n", replace=True)
-    cleanup_checkpoints_(final.parent, config.rollout.keep_weights)
+    prune_steps_(final.parent, config.rollout.keep_weights)
     return final

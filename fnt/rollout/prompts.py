@@ -14,7 +14,6 @@ and rank r takes the r-th contiguous share of them (fnt.parallel.rank_share).
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from fnt.batch import DataPosition
 from fnt.data.chat import check_message_list
 from fnt.data.order import SampleOrder
 from fnt.errors import DataError
+from fnt.jsonl import jsonl_records
 
 
 @dataclass(frozen=True)
@@ -70,24 +70,15 @@ def render_prompt(messages: Sequence[Mapping[str, Any]], tokenizer) -> list[int]
 
 def load_prompts(path: str | Path, tokenizer) -> tuple[Prompt, ...]:
     """Every prompt of a JSONL file; a bad line raises DataError naming the file and line."""
-    path = Path(path)
-    try:
-        file = path.open("rb")
-    except OSError as e:
-        raise DataError(f"cannot read the prompts file {path}: {e}") from e
     prompts = []
-    with file:
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.decode("utf-8"))
-                token_ids = render_prompt(prompt_messages(record), tokenizer)
-            except ValueError as e:  # also bad JSON and bad UTF-8, which subclass ValueError
-                raise DataError(f"{path}, line {line_number}: {e}") from e
-            if not token_ids:
-                raise DataError(f"{path}, line {line_number}: the prompt renders to no tokens")
-            prompts.append(Prompt(record=record, token_ids=tuple(token_ids), line=line_number))
+    for line_number, record in jsonl_records(path, f"the prompts file {path}"):
+        try:
+            token_ids = render_prompt(prompt_messages(record), tokenizer)
+        except ValueError as e:
+            raise DataError(f"{path}, line {line_number}: {e}") from e
+        if not token_ids:
+            raise DataError(f"{path}, line {line_number}: the prompt renders to no tokens")
+        prompts.append(Prompt(record=record, token_ids=tuple(token_ids), line=line_number))
     if not prompts:
         raise DataError(f"{path}: the file is empty (no JSONL prompt records)")
     return tuple(prompts)

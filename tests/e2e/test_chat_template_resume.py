@@ -47,7 +47,7 @@ def test_a_multi_turn_qwen3_template_run_trains_and_resumes_exactly(tiny_model_d
             "--seq-len",
             "256",
             "--data.kind",
-            "jsonl",
+            "sources",
             "--data.sources",
             json.dumps([{"path": str(chats)}]),
             "--data.chat-template",

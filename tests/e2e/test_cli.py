@@ -63,7 +63,7 @@ try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-heavy = sorted(m for m in ("fnt.build", "fnt.model", "fnt.setup", "fnt.loop") if m in sys.modules)
+heavy = sorted(m for m in ("fnt.build", "fnt.model", "fnt.runtime", "fnt.loop") if m in sys.modules)
 print(json.dumps({"code": code, "heavy": heavy}))
 """
 
@@ -95,7 +95,7 @@ def _bad_inputs(tiny_model_dir, tmp_path):
         return ("sft", *config_args(SFT, model, tmp_path / "run", *extra))
 
     def jsonl(path):
-        return ("--data.kind", "jsonl", "--data.sources", json.dumps([{"path": str(path)}]))
+        return ("--data.kind", "sources", "--data.sources", json.dumps([{"path": str(path)}]))
 
     rl = ("rl", *config_args("examples/debug/rl.toml", tiny_model_dir, tmp_path / "run"))
     return {

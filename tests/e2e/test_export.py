@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fnt.checkpoint import save_checkpoint
+from fnt.checkpoint import save_checkpoint_
 from fnt.data.synthetic import synthetic_rows
 from fnt.loop import fold
 from steps.sft import sft_step
@@ -22,7 +22,7 @@ def trained(tiny_model_dir, tmp_path_factory):
     for state, _ in fold(state, lambda _: batch_of(rows, 2), sft_step, 3):
         pass
     root = tmp_path_factory.mktemp("export") / "checkpoints"
-    ckpt = save_checkpoint(
+    ckpt = save_checkpoint_(
         root,
         state.progress,
         state.handles.model,

@@ -15,6 +15,7 @@ import pytest
 
 from fnt.monitors import METRICS_FILE, read_metrics
 from fnt.resume import resolve_resume_step
+from fnt.rundir import COMPONENTS_DIR
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,
@@ -58,6 +59,31 @@ def wait_for_rows(path: Path, rows: int, proc: subprocess.Popen, timeout: float 
     raise AssertionError(f"{path} did not reach {rows} rows in {timeout} s")
 
 
+def preempted_run(script: str, args, out: Path, sig: int, nproc: int = 0):
+    """Run scripts/`script` with args, send it `sig` once row K is written; (the finished
+    process, its stdout, its stderr). Under torchrun only one worker is signalled: the ranks
+    must agree to stop together (torchrun itself, when signalled, forwards SIGTERM to all its
+    workers)."""
+    launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
+    with subprocess.Popen(
+        [*launcher, str(REPO / "scripts" / script), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            wait_for_rows(out / METRICS_FILE, K, proc)
+            os.kill(max(children(proc.pid)) if nproc else proc.pid, sig)
+            stdout, stderr = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return proc, stdout, stderr
+
+
 @pytest.mark.parametrize(
     ("nproc", "sig", "code"),
     [
@@ -79,30 +105,13 @@ def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
     sft(full)
 
     out = tmp_path / "preempted"
-    launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
-    with subprocess.Popen(
-        [
-            *launcher,
-            str(REPO / "scripts" / "sft.py"),
-            *args(tiny_model_dir, out, "--runtime.preempt-exit-code", str(code)),
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            wait_for_rows(out / METRICS_FILE, K, proc)
-            # Under torchrun only one worker is signalled: the ranks must agree to stop together.
-            # (torchrun itself, when signalled, forwards SIGTERM to all its workers.)
-            target = max(children(proc.pid)) if nproc else proc.pid
-            os.kill(target, sig)
-            stdout, stderr = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    proc, stdout, stderr = preempted_run(
+        "sft.py",
+        args(tiny_model_dir, out, "--runtime.preempt-exit-code", str(code)),
+        out,
+        sig,
+        nproc,
+    )
 
     if nproc:
         # torchrun fails itself and reports its workers' exit status. Once the first worker has
@@ -122,3 +131,32 @@ def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
 
     sft(out, "--resume", "latest")
     assert_resumed_run_matches(full, out, last, N, EXACT_KEYS, tmp_path)
+
+
+def test_a_preempted_async_rl_run_keeps_its_rollout_policies_in_the_checkpoint_and_resumes_exactly(
+    tiny_model_dir, tmp_path
+):
+    """rollout.async_level = 2: the policies the next rollouts come from are the engine's state,
+    saved inside the preemption's checkpoint; nothing is written beside the checkpoints."""
+    steps = 12
+
+    def rl_args(out, *extra):
+        return config_args(
+            "examples/debug/rl.toml",
+            tiny_model_dir,
+            out,
+            *("--max-steps", str(steps), "--rollout.async-level", "2"),
+            *("--runtime.num-threads", "1", *extra),
+        )
+
+    full, out = tmp_path / "full", tmp_path / "preempted"
+    run_cli("rl", *rl_args(full))
+    proc, _, stderr = preempted_run("rl.py", rl_args(out), out, signal.SIGTERM)
+    assert proc.returncode == 143, stderr[-4000:]
+    last = read_metrics(out)[-1]["step"]
+    assert K <= last < steps
+    assert (out / "checkpoints" / f"step_{last}" / COMPONENTS_DIR / "rollouts.pt").is_file()
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints"]
+    run_cli("rl", *rl_args(out, "--resume", "latest"))
+    keys = ("loss/mean", "reward/mean", "optim/grad_norm", "rollout/staleness")
+    assert_resumed_run_matches(full, out, last, steps, keys, tmp_path)

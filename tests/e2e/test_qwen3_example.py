@@ -18,7 +18,7 @@ from fnt import tiny_model
 from fnt.config import Config, RLConfig, validate
 from fnt.config.loading import load_config, tomllib
 from fnt.data.chat import ChatMasking, tokenize_conversation
-from fnt.export import export_hf
+from fnt.export import export_hf_
 from fnt.monitors import read_metrics
 from fnt.tokenizer import stop_token_ids
 from tests.e2e.helpers import REPO, config_args, run_cli
@@ -139,7 +139,7 @@ def test_the_qwen3_example_configs_run_on_the_shrunk_model(qwen3_dir, reverse_da
     assert rows[0]["optim/lr"] == pytest.approx(1e-5 / 8)  # warmup step 1 of 8
     assert all(r["data/loss_tokens"] > 0 for r in rows)
 
-    hf = export_hf(sft_out / "checkpoints" / f"step_{STEPS}", tmp_path / "sft-hf")
+    hf = export_hf_(sft_out / "checkpoints" / f"step_{STEPS}", tmp_path / "sft-hf")
     exported = AutoModelForCausalLM.from_pretrained(hf)
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
     base = AutoModelForCausalLM.from_pretrained(qwen3_dir)

@@ -11,11 +11,13 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, sft_source
+from fnt.build import save_state_
 from fnt.config import OptimConfig
-from fnt.loop import save_state, start_state
 from fnt.monitors import read_metrics
-from fnt.resume import ABANDONED_DIR, COMPLETE_MARKER, resolve_resume_step
-from fnt.setup import setup_trainer
+from fnt.resume import resolve_resume_step
+from fnt.rundir import ABANDONED_DIR, COMPLETE_MARKER
+from fnt.runtime import setup_trainer
+from fnt.start import start_state
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
@@ -207,7 +209,7 @@ def saved_run(model_dir, out, steps: int, **overrides) -> Config:
     config = in_process_config(model_dir, out, **overrides)
     state = init_state(config, setup_trainer(config))
     for state, _ in fold(state, sft_source, sft_step, steps):
-        save_state(state)
+        save_state_(state)
     return config
 
 

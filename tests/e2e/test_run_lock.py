@@ -12,8 +12,7 @@ import time
 import pytest
 
 from fnt.errors import ConfigError
-from fnt.loop import LOCK_FILE, lock_output_dir_
-from fnt.monitors import METRICS_FILE
+from fnt.rundir import LOCK_FILE, METRICS_FILE, lock_output_dir_
 from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_cli, run_script
 
 

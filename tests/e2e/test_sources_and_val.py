@@ -87,7 +87,7 @@ def args(model_dir, out, data, *extra):
         "--max-steps",
         str(N),
         "--data.kind",
-        "jsonl",
+        "sources",
         "--data.sources",
         json.dumps(train_sources),
         "--val.sources",

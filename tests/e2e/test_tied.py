@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.export import export_hf
+from fnt.export import export_hf_
 from fnt.sharded_load import SafetensorsDir
 from tests.e2e.helpers import model_weights
 from tests.e2e.tied_resume_loop import PROBE, K, N
@@ -48,7 +48,7 @@ def test_tied_two_ranks_resume_exactly_and_export_tied(tiny_tied_dir, two_rank_r
     assert not torch.equal(full[EMBED], base[EMBED])
     assert torch.equal(full.get(HEAD, full[EMBED]), full[EMBED])
 
-    hf = export_hf(run / "full" / "checkpoints" / f"step_{N}", tmp_path / "hf")
+    hf = export_hf_(run / "full" / "checkpoints" / f"step_{N}", tmp_path / "hf")
     assert HEAD not in SafetensorsDir(hf)  # no duplicate of the shared tensor
     exported = AutoModelForCausalLM.from_pretrained(hf)
     assert exported.config.tie_word_embeddings

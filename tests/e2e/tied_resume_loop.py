@@ -2,7 +2,7 @@
 MODEL_DIR.
 
 One launch does what two `fnt sft` runs of tests/e2e/test_resume.py do, with the driver's own
-pieces (init_state, fold, save_checkpoint, restore_) and the debug SFT config: N steps
+pieces (init_state, fold, save_checkpoint_, restore_) and the debug SFT config: N steps
 uninterrupted, checkpointing step K and step N under OUT/full/checkpoints, then a fresh state
 restored from step K stepped to N, checkpointing under OUT/resumed/checkpoints. Each rank writes
 OUT/rank{R}.json: whether the LM head is still the embedding's parameter after sharding and
@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from fnt import fold, init_state, restore_, setup_trainer, sft_source, teardown_trainer, to_floats
-from fnt.checkpoint import save_checkpoint
-from fnt.cli import config_from_argv
+from fnt.checkpoint import save_checkpoint_
+from fnt.cli import parse_config
 from fnt.config import RLConfig
 from fnt.rollout.external import publish_weights_
 from steps import sft_step
@@ -43,7 +43,7 @@ def train(state, steps: int, root: Path, save_at: set[int]):
         values = to_floats(metrics)
         history.append([values["loss/mean"], values["optim/grad_norm"]])
         if state.progress.step in save_at:
-            save_checkpoint(
+            save_checkpoint_(
                 root,
                 state.progress,
                 state.handles.model,
@@ -58,7 +58,7 @@ def train(state, steps: int, root: Path, save_at: set[int]):
 def main(out: str, model_dir: str) -> None:
     out_dir = Path(out)
     argv = ["--config", "examples/debug/sft.toml", "--model.name", model_dir]
-    config = config_from_argv([*argv, "--max-steps", str(N)])
+    config, _ = parse_config([*argv, "--max-steps", str(N)])
     runtime = setup_trainer(config)
     state = init_state(config, runtime)
     report = {"tied_at_start": is_tied(state.handles.model)}
@@ -66,7 +66,7 @@ def main(out: str, model_dir: str) -> None:
     report["tied_after_training"] = is_tied(state.handles.model)
     # The weights an external RL run publishes for its rollout engine (a collective).
     publisher = [*argv, "--output-dir", str(out_dir / "published"), "--rollout.engine", "external"]
-    publish_weights_(dataclasses.replace(state, config=config_from_argv(publisher, RLConfig)))
+    publish_weights_(dataclasses.replace(state, config=parse_config(publisher, RLConfig)[0]))
     with torch.no_grad():
         logits = state.handles.model(input_ids=PROBE).logits  # a collective: every rank
     if runtime.is_main:

@@ -11,11 +11,11 @@ import resource
 import sys
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from fnt.collectives import full_state_dict
 from fnt.config import Config, ModelConfig
 from fnt.model import load_model
-from fnt.setup import setup_trainer, teardown_trainer
+from fnt.runtime import setup_trainer, teardown_trainer
 
 INPUT_IDS = torch.arange(3, 43).reshape(2, 20)
 
@@ -28,7 +28,7 @@ def main(out: str, model_dirs: list[str]) -> None:
         model = load_model(config.model, runtime)
         with torch.no_grad():
             logits = model(input_ids=INPUT_IDS).logits
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full = full_state_dict(model)
         if runtime.rank == 0:
             peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             torch.save({"weights": full, "logits": logits, "peak_gib": peak_gib}, f"{out}/{i}.pt")

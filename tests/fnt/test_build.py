@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, restore_, sft_source
-from fnt.loop import ckpt_root, save_state, start_state
-from fnt.resume import checkpoint_dir
-from fnt.setup import setup_trainer
+from fnt.build import save_state_
+from fnt.rundir import ckpt_root, step_dir
+from fnt.runtime import setup_trainer
+from fnt.start import start_state
 from fnt.state import StaleStateError
 from steps import sft_step
 
@@ -36,11 +37,11 @@ def train(state, steps: int):
 def test_init_state_ignores_checkpoints_and_restore_loads_one(tiny_model_dir, tmp_path):
     config = config_for(tiny_model_dir, tmp_path)
     trained = train(init_state(config, setup_trainer(config)), 2)
-    save_state(trained)
+    save_state_(trained)
 
     fresh = init_state(config, setup_trainer(config))  # an earlier run's checkpoint: no refusal
     assert fresh.progress.step == 0
-    restored = restore_(fresh, checkpoint_dir(ckpt_root(config), 2))
+    restored = restore_(fresh, step_dir(ckpt_root(config.output_dir), 2))
     assert restored.progress == trained.progress
     for (name, a), b in zip(
         trained.handles.model.named_parameters(), restored.handles.model.parameters()
@@ -54,7 +55,7 @@ def test_init_state_ignores_checkpoints_and_restore_loads_one(tiny_model_dir, tm
 
 def test_the_driver_refuses_a_fresh_start_over_earlier_checkpoints(tiny_model_dir, tmp_path):
     config = config_for(tiny_model_dir, tmp_path)
-    save_state(train(init_state(config, setup_trainer(config)), 1))
+    save_state_(train(init_state(config, setup_trainer(config)), 1))
     with pytest.raises(ConfigError, match="already holds checkpoints.*--resume latest"):
         start_state(config, setup_trainer(config))
     resumed = config_for(tiny_model_dir, tmp_path, resume="latest")

@@ -10,13 +10,15 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.checkpoint import (
+from fnt.checkpoint import should_checkpoint
+from fnt.resume import resolve_resume_step
+from fnt.rundir import (
+    ABANDONED_DIR,
+    COMPLETE_MARKER,
     abandon_newer_,
-    cleanup_checkpoints_,
-    should_checkpoint,
+    prune_steps_,
     steps_to_delete,
 )
-from fnt.resume import ABANDONED_DIR, COMPLETE_MARKER, resolve_resume_step
 
 SETTINGS = settings(max_examples=200, deadline=None)
 FS_SETTINGS = settings(max_examples=100, deadline=None)
@@ -138,7 +140,7 @@ def test_cleanup_deletes_only_old_complete_checkpoints_and_unmarked_leftovers(li
         before = snapshot(root)
         latest_before = resolve_resume_step("latest", root)
 
-        deleted = cleanup_checkpoints_(root, keep_last)
+        deleted = prune_steps_(root, keep_last)
 
         newest_first = sorted(complete, reverse=True)
         expected_deleted = [] if keep_last == 0 else newest_first[keep_last:]
@@ -152,7 +154,7 @@ def test_cleanup_deletes_only_old_complete_checkpoints_and_unmarked_leftovers(li
 
 
 def test_cleanup_of_a_missing_directory(tmp_path):
-    assert cleanup_checkpoints_(tmp_path / "nothing", 2) == []
+    assert prune_steps_(tmp_path / "nothing", 2) == []
 
 
 def test_cleanup_ignores_non_canonical_names(tmp_path):
@@ -161,7 +163,7 @@ def test_cleanup_ignores_non_canonical_names(tmp_path):
     for name in ["step_01", "step_5", "step_6"]:
         (root / name).mkdir(parents=True)
         (root / name / COMPLETE_MARKER).write_text("x")
-    deleted = cleanup_checkpoints_(root, 2)
+    deleted = prune_steps_(root, 2)
     assert deleted == []
     assert sorted(p.name for p in root.iterdir()) == ["step_01", "step_5", "step_6"]
 

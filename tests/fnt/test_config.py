@@ -312,7 +312,7 @@ def test_resume_step_number_means_the_same_on_cli_and_in_toml(tmp_path, n):
 def test_list_of_tables_from_toml_and_cli(tmp_path):
     path = _write(
         tmp_path,
-        'data.kind = "jsonl"\n'
+        'data.kind = "sources"\n'
         '[[data.sources]]\npath = "a.jsonl"\nweight = 2\n'
         '[[data.sources]]\npath = "b.jsonl"\nname = "bee"\n',
     )
@@ -526,15 +526,15 @@ def test_min_lr_must_not_exceed_lr(lr, min_lr):
 @pytest.mark.parametrize(
     "config, key",
     [
-        (Config(data=DataConfig(kind="jsonl")), "'data.sources'"),
+        (Config(data=DataConfig(kind="sources")), "'data.sources'"),
         (
-            Config(data=DataConfig(kind="jsonl", sources=(DataSourceConfig(),))),
+            Config(data=DataConfig(kind="sources", sources=(DataSourceConfig(),))),
             "'data.sources[0].path'",
         ),
         (
             Config(
                 data=DataConfig(
-                    kind="jsonl", sources=(DataSourceConfig(path="a.jsonl", weight=0.0),)
+                    kind="sources", sources=(DataSourceConfig(path="a.jsonl", weight=0.0),)
                 )
             ),
             "'data.sources[0].weight'",
@@ -542,7 +542,7 @@ def test_min_lr_must_not_exceed_lr(lr, min_lr):
         (
             Config(
                 data=DataConfig(
-                    kind="jsonl",
+                    kind="sources",
                     sources=(
                         DataSourceConfig(path="x/a.jsonl"),
                         DataSourceConfig(path="y/a.jsonl"),
@@ -554,7 +554,7 @@ def test_min_lr_must_not_exceed_lr(lr, min_lr):
         (
             Config(
                 data=DataConfig(
-                    kind="jsonl",
+                    kind="sources",
                     sources=(DataSourceConfig(path="a.jsonl"),),
                     loss_mask=("assistant", "bot"),
                 )
@@ -584,7 +584,7 @@ def test_validate_accepts_distinct_jsonl_sources():
         DataSourceConfig(path="x/a.jsonl"),
         DataSourceConfig(path="y/a.jsonl", name="other", weight=3.0),
     )
-    validate(Config(data=DataConfig(kind="jsonl", sources=sources)), 1)
+    validate(Config(data=DataConfig(kind="sources", sources=sources)), 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,3 +647,23 @@ def test_loss_chunks_and_the_preemption_code_are_checked(override, message):
     config, _ = load_config([override])
     with pytest.raises(ConfigError, match=message):
         validate(config, 1)
+
+
+def test_the_old_data_kind_jsonl_still_works_with_a_deprecation_line(tmp_path, capsys):
+    path = _write(tmp_path, 'data.kind = "jsonl"\n[[data.sources]]\npath = "a.jsonl"\n')
+    config, _ = load_config(["--config", path])
+    assert config.data.kind == "sources"
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("warning: 'data.kind' = \"jsonl\" (file ") and '"sources"' in line
+    from_cli, _ = load_config(["--data.kind", "jsonl"])
+    assert from_cli.data.kind == "sources"
+    assert "(command line) is deprecated" in capsys.readouterr().err
+
+
+def test_a_checkpoint_written_with_the_old_data_kind_resumes_under_the_new_one():
+    from fnt.resume import reconcile_config
+
+    saved = to_plain(Config(data=DataConfig(kind="sources")))
+    saved["data"]["kind"] = "jsonl"  # what a checkpoint of an older fnt records
+    current = to_plain(Config(data=DataConfig(kind="sources")))
+    assert reconcile_config(saved, current)["data.kind"].action == "keep"

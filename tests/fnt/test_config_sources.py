@@ -19,7 +19,7 @@ from fnt.config import (
 
 
 def with_sources(*sources: DataSourceConfig) -> Config:
-    return Config(data=DataConfig(kind="jsonl", sources=sources))
+    return Config(data=DataConfig(kind="sources", sources=sources))
 
 
 @pytest.mark.parametrize(

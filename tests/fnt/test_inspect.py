@@ -13,12 +13,9 @@ from hypothesis import strategies as st
 
 from fnt.__main__ import main
 from fnt.errors import DataError
+from fnt.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE
 from fnt.runview import (
     ABSENT,
-    CHECKPOINTS_DIR,
-    CONFIG_FILE,
-    METRICS_FILE,
-    WANDB_ID_FILE,
     config_diff,
     format_summary,
     parse_metrics,
@@ -223,21 +220,9 @@ def test_not_a_run_exits_2_with_a_one_line_message(tmp_path):
     )
 
 
-def test_inspect_and_plot_load_without_torch_and_read_the_writers_names():
-    # Their names are spelled out so that `fnt inspect` stays light; they must be the writers'.
-    from fnt.config import Config
-    from fnt.loop import CONFIG_FILE as LOOP_CONFIG_FILE
-    from fnt.loop import ckpt_root
-    from fnt.monitors import METRICS_FILE as MONITORS_METRICS_FILE
-    from fnt.monitors import WANDB_ID_FILE as MONITORS_WANDB_ID_FILE
-
-    assert (CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE) == (
-        LOOP_CONFIG_FILE,
-        MONITORS_METRICS_FILE,
-        MONITORS_WANDB_ID_FILE,
-    )
-    assert ckpt_root(Config(output_dir="r")) == Path("r") / CHECKPOINTS_DIR
-    probe = "import sys, fnt.runview, fnt.plot; print('torch' in sys.modules)"
+def test_inspect_plot_and_the_run_directory_rules_load_without_torch():
+    # fnt.rundir holds the names every writer and reader uses; it must stay light for them.
+    probe = "import sys, fnt.rundir, fnt.runview, fnt.plot; print('torch' in sys.modules)"
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60
     )

@@ -16,12 +16,13 @@ from fnt.metrics import (
     disk_metrics,
     disk_metrics_from_usage,
     finite_or_none,
-    log_step_metrics,
     merge_metrics,
     perf_metrics,
     step_row,
     to_floats,
 )
+from fnt.rows import RowBuilder
+from tests.steps.test_sft import make_state
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -89,57 +90,24 @@ def test_a_group_cannot_overwrite_step_or_time(key):
         step_row(5, 12.5, {"loss/mean": 1.0}, {key: 99})
 
 
-class RecordingMonitor:
-    """A real monitor that keeps the rows it is given."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def log(self, row) -> None:
-        self.rows.append(dict(row))
-
-
-@SETTINGS
-@given(
-    st.integers(1, 10**6),
-    st.floats(0, 1e9),
-    st.lists(disjoint_groups(min_groups=4), min_size=1, max_size=4),
-    st.booleans(),
-)
-def test_log_step_metrics_logs_one_row_per_call_on_main(step, time, calls, is_main):
-    monitor = RecordingMonitor()
-    rows = []
-    for i, groups in enumerate(calls):
-        metrics, perf, timing, disk = groups[:4]
-        row = log_step_metrics(
-            step + i,
-            metrics,
-            time=time,
-            perf=perf,
-            timing=timing,
-            disk=disk,
-            monitor=monitor,
-            is_main=is_main,
-        )
-        assert row == step_row(step + i, time, perf, timing, disk, metrics)
-        rows.append(row)
-    assert monitor.rows == (rows if is_main else [])
+def test_the_row_builder_makes_one_row_per_step_with_every_group(tiny_model_dir, tmp_path):
+    """The driver's rows (fnt.rows): the step's metrics, progress/*, perf/*, the timing with
+    time/save_ckpt of the save before, and system/*: one row per call, in order."""
+    state = make_state(tiny_model_dir, output_dir=str(tmp_path))
+    rows = RowBuilder(state)
+    first = rows.row(state, {"loss/mean": torch.tensor(2.0)}, {"time/step": 0.5})
+    assert first["step"] == 0 and first["loss/mean"] == 2.0 and first["time/save_ckpt"] == 0.0
+    assert {"progress/num_tokens", "perf/throughput", "system/ckpt_disk_free_gib"} <= first.keys()
+    rows.saved(1.25)
+    second = rows.row(state, {"loss/mean": 1.0}, {"time/step": 0.5})
+    assert second["time/save_ckpt"] == 1.25  # the save after the previous row
+    assert rows.row(state, {}, {"time/step": 0.5})["time/save_ckpt"] == 0.0
 
 
-def test_log_step_metrics_collision_logs_nothing():
-    monitor = RecordingMonitor()
-    with pytest.raises(MetricCollision):
-        log_step_metrics(
-            1,
-            {"time/step": 1.0},
-            time=0.0,
-            perf={},
-            timing={"time/step": 2.0},
-            disk={},
-            monitor=monitor,
-            is_main=True,
-        )
-    assert monitor.rows == []
+def test_a_step_metric_that_a_loop_group_has_too_raises_instead_of_making_a_row(tiny_model_dir):
+    state = make_state(tiny_model_dir)
+    with pytest.raises(MetricCollision, match="time/step"):
+        RowBuilder(state).row(state, {"time/step": 1.0}, {"time/step": 2.0})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,23 +17,25 @@ from hypothesis import strategies as st
 from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
 from fnt.monitors import truncate_metrics_
 from fnt.resume import (
-    ABANDONED_DIR,
-    COMPLETE_MARKER,
     FIXED,
     LAUNCH,
     POLICY_MEANINGS,
     RESUME_POLICY,
     ResumeError,
-    abandoned_names,
-    checkpoint_dir,
     choose_resume_step,
-    complete_steps,
-    list_checkpoints,
     override_lines,
     reconcile_config,
     refusal,
     resolve_resume_step,
+)
+from fnt.rundir import (
+    ABANDONED_DIR,
+    COMPLETE_MARKER,
+    abandoned_names,
+    complete_steps,
+    list_step_dirs,
     run_steps,
+    step_dir,
     step_of,
 )
 
@@ -118,12 +120,12 @@ def test_resolve_over_random_directories(listing):
     with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
         root = Path(tmp) / "checkpoints"
         build(root, listing)
-        assert sorted(complete_steps(list_checkpoints(root))) == sorted(listing["complete"])
+        assert sorted(complete_steps(list_step_dirs(root))) == sorted(listing["complete"])
 
         latest = resolve_resume_step("latest", root)
         assert latest == (max(listing["complete"]) if listing["complete"] else None)
         if latest is not None:
-            assert (checkpoint_dir(root, latest) / COMPLETE_MARKER).is_file()
+            assert (step_dir(root, latest) / COMPLETE_MARKER).is_file()
         assert resolve_resume_step(True, root) == latest
         assert resolve_resume_step(None, root) is None
         assert resolve_resume_step(False, root) is None
@@ -152,7 +154,7 @@ def test_resolve_over_random_directories(listing):
 
 def test_missing_directory(tmp_path):
     root = tmp_path / "never_created"
-    assert list_checkpoints(root) == []
+    assert list_step_dirs(root) == []
     assert resolve_resume_step("latest", root) is None
     assert resolve_resume_step(None, root) is None
     with pytest.raises(ResumeError, match=r"step_3.*none"):
@@ -162,7 +164,7 @@ def test_missing_directory(tmp_path):
 def test_canonical_name_only(tmp_path):
     """Only the name the saver writes, `step_{N}`, is a checkpoint: `step_01` is not step 1.
 
-    Otherwise "latest" picks a step whose `checkpoint_dir(root, step)` does not exist.
+    Otherwise "latest" picks a step whose `step_dir(root, step)` does not exist.
     """
     root = tmp_path / "checkpoints"
     (root / "step_01").mkdir(parents=True)
@@ -170,7 +172,7 @@ def test_canonical_name_only(tmp_path):
     (root / "step_007").mkdir()
     (root / "step_007" / COMPLETE_MARKER).write_text("x")
     step = resolve_resume_step("latest", root)
-    assert step is None or (checkpoint_dir(root, step) / COMPLETE_MARKER).is_file()
+    assert step is None or (step_dir(root, step) / COMPLETE_MARKER).is_file()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +245,7 @@ def test_resolve_ignores_abandoned_checkpoints(tmp_path):
         path.mkdir(parents=True)
         (path / COMPLETE_MARKER).write_text("x")
     (root / ABANDONED_DIR / COMPLETE_MARKER).write_text("x")
-    assert complete_steps(list_checkpoints(root)) == [2]
+    assert complete_steps(list_step_dirs(root)) == [2]
     assert resolve_resume_step("latest", root) == 2
 
 
@@ -281,7 +283,7 @@ def test_step_of():
 
 @pytest.mark.parametrize("name", ["step_01", "step_007", "step_3\n", "step_\u0661"])
 def test_step_of_rejects_names_the_saver_never_writes(name):
-    """`checkpoint_dir(root, step_of(name))` must be `root / name`, or the rules pick a ghost."""
+    """`step_dir(root, step_of(name))` must be `root / name`, or the rules pick a ghost."""
     step = step_of(name)
     assert step is None or f"step_{step}" == name
 
@@ -374,7 +376,7 @@ def test_reconcile_real_configs():
         resume="latest",
         optim=dataclasses.replace(saved.optim, weight_decay=0.1, betas=(0.8, 0.99)),
         data=dataclasses.replace(
-            saved.data, kind="jsonl", sources=(DataSourceConfig(path="a.jsonl"),)
+            saved.data, kind="sources", sources=(DataSourceConfig(path="a.jsonl"),)
         ),
     )
     decisions = reconcile_config(to_plain(saved), to_plain(current))
@@ -389,7 +391,7 @@ def test_reconcile_real_configs():
     }
     message = refusal(decisions, "run/checkpoints/step_2")
     assert message.startswith("resume from run/checkpoints/step_2: ")
-    assert 'seed: 0 -> 1; data.kind: "synthetic" -> "jsonl"; data.sources: [] -> [{' in message
+    assert 'seed: 0 -> 1; data.kind: "synthetic" -> "sources"; data.sources: [] -> [{' in message
     assert override_lines(decisions) == [
         "resume: max_steps: 10 -> 50",
         "resume: optim.betas: [0.9, 0.999] -> [0.8, 0.99]",

@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from fnt.batch import DataPosition, SftBatch
+from fnt.build import save_state_
 from fnt.config import Config, ConfigError, ModelConfig, OptimConfig
 from fnt.data.synthetic import synthetic_rows, take_rows
-from fnt.loop import fold, save_state, start_state
+from fnt.loop import fold
 from fnt.optim.adamw import CPUAdamW
 from fnt.optim.offload import node_cpus, numa_binding, numa_node_of, parse_cpulist
 from fnt.optim.setup import NO_OFFLOAD, fp32_module_names, offload_plan
-from fnt.setup import setup_trainer
+from fnt.runtime import setup_trainer
+from fnt.start import start_state
 from steps.sft import sft_step
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -234,7 +236,7 @@ def test_resume_across_offload_modes_keeps_the_float32_weights(tiny_model_dir, t
     # full (bf16 params, fp32 masters) for 3 steps, saved...
     full = make_state(tiny_model_dir, tmp_path, impl="native", offload="full")
     full, _ = train(full, 1, 3)
-    save_state(full)
+    save_state_(full)
     masters = {
         name: full.handles.optimizer.state[p]["master"].clone()
         for name, p in full.handles.model.named_parameters()
@@ -252,7 +254,7 @@ def test_resume_across_offload_modes_keeps_the_float32_weights(tiny_model_dir, t
         st = plain.handles.optimizer.state[p]
         assert "master" not in st and torch.equal(st["exp_avg_sq"], moments[name]), name
     plain, _ = train(plain, 4, 5)
-    save_state(plain)
+    save_state_(plain)
     weights = {n: p.detach().clone() for n, p in plain.handles.model.named_parameters()}
 
     # ...and back to full: masters primed from the float32 weights, params rounded from them.

@@ -22,7 +22,7 @@ from fnt.data.synthetic import take_rows
 from fnt.lm_head import chunked_head, loss_tokens_of
 from fnt.optim.setup import NO_OFFLOAD
 from fnt.parallel import plan_parallel_dims
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
 from fnt.update import accumulate_gradients_, forward_loss_tokens
 from steps.rl import rl_gradients_
 from steps.sft import sft_loss

@@ -12,7 +12,7 @@ from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
-from fnt.setup import setup_trainer
+from fnt.runtime import setup_trainer
 from fnt.update import packed_logits
 from steps.rl import rl_gradients_, rl_step
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.batch import DataPosition, PackedRows, block_causal_mask
+from fnt.batch import PackedRows, block_causal_mask
 from fnt.config.schema import DataConfig, DataSourceConfig
-from fnt.data import load_jsonl_data
+from fnt.data import load_source_data
+from fnt.state import Progress
 from fnt.update import packed_logits
 
 
@@ -25,14 +26,14 @@ def packed_rows(tmp_path_factory, tokenizer) -> PackedRows:
         )
     )
     data = DataConfig(
-        kind="jsonl",
+        kind="sources",
         sources=(DataSourceConfig(path=str(path), weight=1.0, name=""),),
         overlong="truncate",
         shuffle=True,
     )
-    batch = load_jsonl_data(
+    batch = load_source_data(
         data, tokenizer, seed=0, seq_len=96, batch_size=2, micro_batch_size=2, dp_rank=0, dp_size=1
-    ).batch(DataPosition())
+    ).batch(Progress())
     rows = batch.micro_batches[0]
     assert (rows.document_ids.max(dim=1).values >= 2).all(), (
         "each row should hold 2+ documents and padding"

@@ -63,7 +63,7 @@ def test_an_empty_file_names_the_file(tmp_path, tokenizer, content):
 
 
 def test_a_missing_file_names_the_file(tmp_path, tokenizer):
-    with pytest.raises(DataError, match="cannot read data source .*missing.jsonl"):
+    with pytest.raises(DataError, match="data source .*missing.jsonl: cannot read it"):
         load_corpus(
             [source(tmp_path / "missing.jsonl")], tokenizer, seq_len=64, overlong="truncate"
         )

@@ -12,17 +12,18 @@ from hypothesis import strategies as st
 
 from fnt.batch import DataPosition, SftBatch
 from fnt.config.schema import DataConfig, DataSourceConfig
-from fnt.data import JsonlData, SampleOrder, load_jsonl_data
+from fnt.data import SampleOrder, SourceData, load_source_data
+from fnt.state import Progress
 
 SEQ_LEN = 16
 PAD = 999
 
 
-def batches_from(data: JsonlData, start: DataPosition = DataPosition()):
+def batches_from(data: SourceData, start: DataPosition = DataPosition()):
     """Step after step from `start`, each batch starting where the previous one ended."""
     position = start
     while True:
-        batch = data.batch(position)
+        batch = data.batch(Progress(data=position))
         yield batch
         position = batch.data_after
 
@@ -30,7 +31,7 @@ def batches_from(data: JsonlData, start: DataPosition = DataPosition()):
 def stream(
     corpus, order, *, batch_size, micro_batch_size, dp_rank=0, dp_size=1, start=DataPosition()
 ):
-    data = JsonlData(corpus, order, SEQ_LEN, batch_size, micro_batch_size, dp_rank, dp_size, PAD)
+    data = SourceData(corpus, order, SEQ_LEN, batch_size, micro_batch_size, dp_rank, dp_size, PAD)
     return batches_from(data, start)
 
 
@@ -133,7 +134,7 @@ def write_sources(tmp_path, count_a: int, count_b: int) -> DataConfig:
         )
     )
     return DataConfig(
-        kind="jsonl",
+        kind="sources",
         sources=(
             DataSourceConfig(path=str(a), weight=3.0, name=""),
             DataSourceConfig(path=str(b), weight=1.0, name="pc"),
@@ -147,11 +148,11 @@ def test_load_jsonl_data_reads_the_files_once_then_gives_checked_batches_over_ep
     tmp_path, tokenizer
 ):
     data = write_sources(tmp_path, 6, 6)
-    loaded = load_jsonl_data(
+    loaded = load_source_data(
         data, tokenizer, seed=1, seq_len=64, batch_size=4, micro_batch_size=2, dp_rank=0, dp_size=1
     )
     for path in (tmp_path / "chat.jsonl", tmp_path / "pairs.jsonl"):
-        path.unlink()  # everything was read when load_jsonl_data was called
+        path.unlink()  # everything was read when load_source_data was called
     batches = batches_from(loaded)
     positions = []
     for batch in islice(batches, 8):
@@ -188,9 +189,9 @@ def test_load_jsonl_data_reads_the_files_once_then_gives_checked_batches_over_ep
 
 def test_pad_is_the_tokenizers_pad_token(tmp_path, tokenizer):
     data = write_sources(tmp_path, 1, 1)
-    batch = load_jsonl_data(
+    batch = load_source_data(
         data, tokenizer, seed=0, seq_len=128, batch_size=1, micro_batch_size=1, dp_rank=0, dp_size=1
-    ).batch(DataPosition())
+    ).batch(Progress())
     assert batch.micro_batches[0].input_ids[0, -1].item() == tokenizer.pad_token_id
 
 
@@ -207,13 +208,13 @@ def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
     tmp_path, tokenizer, batch_size, micro_batch_size, dp_rank, dp_size, message
 ):
     missing = DataConfig(
-        kind="jsonl",
+        kind="sources",
         sources=(DataSourceConfig(path=str(tmp_path / "no.jsonl"), weight=1.0, name=""),),
         overlong="truncate",
         shuffle=True,
     )
     with pytest.raises(ValueError, match=message):
-        load_jsonl_data(
+        load_source_data(
             missing,
             tokenizer,
             seed=0,
@@ -226,7 +227,7 @@ def test_a_batch_layout_that_does_not_split_evenly_is_rejected_before_reading(
 
 
 def test_a_start_outside_the_data_is_rejected(tmp_path, tokenizer):
-    data = load_jsonl_data(
+    data = load_source_data(
         write_sources(tmp_path, 2, 2),
         tokenizer,
         seed=0,
@@ -237,4 +238,4 @@ def test_a_start_outside_the_data_is_rejected(tmp_path, tokenizer):
         dp_size=1,
     )
     with pytest.raises(ValueError, match="did the data files change"):
-        data.batch(DataPosition(0, 4))
+        data.batch(Progress(data=DataPosition(0, 4)))

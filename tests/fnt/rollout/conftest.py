@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt import init_state
 from fnt.config import ModelConfig, RLConfig, RolloutConfig, RuntimeConfig
-from fnt.setup import setup_trainer
+from fnt.runtime import setup_trainer
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +52,7 @@ def one_process_runtime():
     from fnt.config import ParallelConfig
     from fnt.optim.setup import NO_OFFLOAD
     from fnt.parallel import plan_parallel_dims
-    from fnt.setup import Runtime
+    from fnt.runtime import Runtime
 
     return Runtime(
         rank=0,

@@ -4,15 +4,17 @@ generated in the background, and a resumed run samples exactly what an uninterru
 from __future__ import annotations
 
 import dataclasses
-import shutil
+import threading
+import time
 
 import pytest
 import torch
 
 from fnt.loop import fold
 from fnt.monitors import read_metrics
-from fnt.rollout.engine import POLICY_DIR, InProcessEngine, rollout_policy_step
-from fnt.setup import setup_trainer
+from fnt.rollout.engine import InProcessEngine, rollout_policy_step
+from fnt.rundir import COMPONENTS_DIR
+from fnt.runtime import setup_trainer
 from fnt.sources import rl_source
 from steps import rl_step
 from tests.e2e.helpers import (
@@ -23,6 +25,7 @@ from tests.e2e.helpers import (
     run_script,
 )
 
+from . import counting_reward
 from .conftest import rl_config, rl_state
 from .test_engine import assert_same_batch
 
@@ -66,6 +69,10 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
     for state, metrics in fold(state, recording_source, rl_step, 3):
         weights.append(clone_weights(state.handles.model))
         skipped.append(bool(metrics.get("skipped/zero_advantage", 0)))
+    # A checkpoint after step 3 holds the policy after step 2 (update 4's rollouts come from
+    # it; the one after step 3 is the model), and the engine writes nothing of its own.
+    assert list(engine.state_dict()["policies"]) == [2]
+    assert list(tmp_path.iterdir()) == []
     engine.close()
     # Each update moved the weights (unless it had no advantage to learn from), so the policies
     # the rollouts are compared with below are told apart.
@@ -82,12 +89,6 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
         expected = reference.batch(samples, after, 0.0, staleness=n - 1 - policy_step)
         assert_same_batch(batch, expected)
         assert batch.metrics["rollout/staleness"] == min(n - 1, 1)
-    # Rank 0 kept the policies a resume could need (no checkpoints here: from step 0 - k on).
-    assert sorted(p.name for p in (tmp_path / POLICY_DIR).iterdir()) == [
-        "step_0",
-        "step_1",
-        "step_2",
-    ]
 
 
 def clone_weights(model) -> dict[str, torch.Tensor]:
@@ -126,9 +127,28 @@ def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
     rl(full, "--ckpt.interval", "2")
     rows = read_metrics(full)
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # The resumed run's next rollouts (update 3) come from the policy after step 1, which
+    # checkpoint step_2 holds: a crash right after it leaves all a resume needs.
+    assert (full / "checkpoints" / "step_2" / COMPONENTS_DIR / "rollouts.pt").is_file()
     copy_crashed_run(full, resumed, 2)
-    # What a crash right after checkpoint step_2 leaves: the policies written before it; the
-    # resumed run's next rollouts (update 3) need the one after step 1.
-    shutil.copytree(full / POLICY_DIR / "step_1", resumed / POLICY_DIR / "step_1")
     rl(resumed, "--resume", "latest")
     assert_resumed_run_matches(full, resumed, 2, STEPS, EXACT, tmp_path)
+    for run in (full, resumed):
+        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints"]
+
+
+def test_an_async_run_generates_exactly_the_rollouts_it_trains_on(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """async_level 3 and 2 steps: the queue never reaches past max_steps, and the run leaves no
+    generation behind when it returns."""
+    monkeypatch.setattr(counting_reward, "calls", [])
+    args = config_args("examples/debug/rl.toml", tiny_model_dir, tmp_path / "run")
+    args += ("--max-steps", "2", "--rollout.async-level", "3")
+    args += ("--rollout.reward", "tests.fnt.rollout.counting_reward:reward")
+    run_cli("rl", *args)
+    per_step = 2 * 4  # prompts_per_step x group_size of examples/debug/rl.toml
+    assert len(counting_reward.calls) == 2 * per_step
+    assert not [t for t in threading.enumerate() if t.name.startswith("fnt-rollout")]
+    time.sleep(0.5)
+    assert len(counting_reward.calls) == 2 * per_step

@@ -16,25 +16,23 @@ from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
 from fnt.errors import DataError
 from fnt.loop import fold
-from fnt.rewards import similarity
+from fnt.rewards import score, similarity
 from fnt.rollout import (
     Completion,
     InProcessEngine,
-    Prompt,
     RolloutSample,
     load_prompts,
     rollout_groups,
     rollout_metrics,
-    score,
 )
 from fnt.rollout.pack import ROW_MULTIPLE
-from fnt.setup import setup_trainer
+from fnt.runtime import setup_trainer
 from fnt.sources import rl_source
 from fnt.state import Progress, StaleStateError
 from fnt.update import packed_logits
 from steps import rl_step
 
-from .conftest import rl_config, rl_state, scale_weights_
+from .conftest import one_process_runtime, rl_config, rl_state, scale_weights_
 
 METRICS = (
     "reward/mean",
@@ -221,15 +219,16 @@ def test_setup_errors_surface_when_the_engine_is_built(policy_dir, prompts_file)
 
 
 def test_reward_results_and_failures_are_checked_and_name_the_prompt():
-    prompt = Prompt(record={"prompt": "a"}, token_ids=(1, 2), line=7)
-    assert score(["a", "b"], prompt, lambda text, sample: text == "a", "is_a") == [1.0, 0.0]
+    record, where = {"prompt": "a"}, "the prompt of line 7 of rollout.prompts"
+    assert score(["a", "b"], record, lambda text, sample: text == "a", "is_a", where) == [1.0, 0.0]
     # NaN and inf pass: rollout.on_bad_reward decides about them (fnt.rewards.keep_group).
-    nan = score(["a", "b"], prompt, lambda text, sample: float("nan") if text == "a" else 1, "x")
+    nan_if_a = lambda text, sample: float("nan") if text == "a" else 1  # noqa: E731
+    nan = score(["a", "b"], record, nan_if_a, "x", where)
     assert math.isnan(nan[0]) and nan[1] == 1.0
     with pytest.raises(ValueError, match=r"reward 'bad' returned '1'"):
-        score(["a"], prompt, lambda text, sample: "1", "bad")
+        score(["a"], record, lambda text, sample: "1", "bad", where)
     with pytest.raises(ValueError, match=r"'similarity' failed on the prompt of line 7.*'answer'"):
-        score(["a"], prompt, similarity, "similarity")
+        score(["a"], record, similarity, "similarity", where)
 
 
 def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, prompts_file):
@@ -271,7 +270,7 @@ def test_rollout_metrics_of_one_process():
         sample(1.0, 2, True),
         sample(0.0, 6, True),
     ]
-    metrics = rollout_metrics(samples, 2.0, distributed=False, device=torch.device("cpu"))
+    metrics = rollout_metrics(samples, 2.0, one_process_runtime())
     assert metrics == {
         "reward/mean": 0.5,
         "reward/std": 0.5,
@@ -283,7 +282,7 @@ def test_rollout_metrics_of_one_process():
     }
     # A NaN reward (its group skipped) stays out of reward/*, and is counted.
     samples[1] = sample(float("nan"), 8, False)
-    metrics = rollout_metrics(samples, 2.0, distributed=False, device=torch.device("cpu"))
+    metrics = rollout_metrics(samples, 2.0, one_process_runtime())
     assert metrics["reward/mean"] == pytest.approx(1 / 3)
     assert metrics["rollout/bad_rewards"] == 1.0
     assert metrics["rollout/completion_len/mean"] == 5.0

@@ -11,7 +11,7 @@ import pytest
 from fnt.config import ModelConfig, RLConfig, RLLossConfig, RolloutConfig
 from fnt.errors import DataError
 from fnt.rollout.external import ExternalRollouts, parse_sample, rollout_dir
-from fnt.setup import setup_trainer
+from fnt.runtime import setup_trainer
 from fnt.state import Progress
 from fnt.transaction import COMPLETE_MARKER
 

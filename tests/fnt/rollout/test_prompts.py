@@ -80,7 +80,7 @@ def test_malformed_prompt_files_name_the_file_and_line(tokenizer, tmp_path, text
 
 
 def test_a_missing_prompts_file_is_named(tokenizer, tmp_path):
-    with pytest.raises(DataError, match="cannot read the prompts file .*nope.jsonl"):
+    with pytest.raises(DataError, match="prompts file .*nope.jsonl: cannot read it"):
         load_prompts(tmp_path / "nope.jsonl", tokenizer)
 
 

@@ -1,33 +1,22 @@
-"""Validation during training: the token-weighted loss on held-out samples (`val.sources`) and,
-in RL, the mean reward of greedy answers to held-out prompts (`val.prompts`), over all ranks.
+"""Held-out evaluation during training (the `[val]` section): the token-weighted loss on held-out
+samples (`val.sources`) and, in RL, the mean reward of greedy answers to held-out prompts
+(`val.prompts`), over all ranks. `EvalData` is the state's `val` handle (an Evaluator).
 
-Side effects: `load_validation` reads the val sources and prompts (init_state calls it before
-the model loads, so a bad file fails first). An evaluation (`evaluate`) runs forward passes of the
-model without gradients, in eval mode and then back in the mode it was in; it generates on the
-in-process rollout engine's inference copy after loading the policy's weights into it (a
-collective under FSDP2); and it all-reduces its sums. Every rank evaluates its share (rows of
-samples, prompts), and all ranks finish an evaluation together, in that all-reduce. Nothing an
-evaluation does reaches training: no gradient, no optimizer state, no generator is drawn from
-(greedy decoding draws nothing), and the data position stays where it is.
+Side effects: `load_eval_data` reads the val sources and prompts (init_state calls it before
+the model loads, so a bad file fails first). An evaluation (`EvalData.evaluate`) runs forward
+passes of the model without gradients, in eval mode and then back in the mode it was in; it
+generates on the in-process rollout engine's inference copy after loading the policy's weights
+into it (a collective under FSDP2); and it all-reduces its sums. Every rank evaluates its share
+(rows of samples, prompts), and all ranks finish an evaluation together, in that all-reduce.
+Nothing an evaluation does reaches training: no gradient, no optimizer state, no generator is
+drawn from (greedy decoding draws nothing), and the data position stays where it is.
 
-Rows (`Validation.row_metrics`, once per row):
-- An evaluation after step N, when N is a multiple of val.interval, goes into row N: val/loss
-  (the summed cross entropy of all loss tokens over their count), val/perplexity (its exp) and
-  val/num_tokens (that count) with val.sources; val/reward/mean with val.prompts.
-- `val.eval_on_start` evaluates the start state (after S updates: 0, or the resumed
-  checkpoint's step) before the first step, and its values go into the run's first row, S + 1,
-  as val/start/loss, val/start/perplexity, val/start/num_tokens, val/start/reward/mean. They have
-  keys of their own because val/* of a row always describe the model that row ends with: row
-  S + 1 has val/* itself when S + 1 is a multiple of val.interval.
-- Every row of a run with validation has time/val, the seconds the row's evaluations took (0
-  when none ran), so that time/step stays the optimizer step's time.
+Which rows get which keys is fnt.rows.Evaluation's (the driver's side of evaluation).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-import time
 from dataclasses import dataclass
 from typing import Any, Collection, Optional, Sequence
 
@@ -35,26 +24,25 @@ import torch
 from torch import nn
 
 from fnt.batch import to_device
+from fnt.collectives import all_reduce_sum
 from fnt.config import Config, ConfigError, RLConfig
 from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
 from fnt.lm_head import loss_tokens_of
 from fnt.parallel import rank_share
-from fnt.rewards import RewardFn, reward_function
+from fnt.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.generate import generate
 from fnt.rollout.prompts import Prompt, load_prompts
-from fnt.setup import Runtime
+from fnt.runtime import Runtime
+from fnt.state import Stateless, TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
-from fnt.update import all_reduce_sum, forward_loss_tokens
-
-PREFIX = "val/"
-START_PREFIX = "val/start/"
+from fnt.update import forward_loss_tokens
 
 
 @dataclass(frozen=True)
-class ValData:
-    """What validation reads, loaded once: the held-out samples and prompts, and the tokenizer."""
+class EvalData(Stateless):
+    """What evaluation reads, loaded once: the held-out samples and prompts, and the tokenizer."""
 
     corpus: Optional[Corpus]
     """The val.sources samples, tokenized and fitted to seq_len; None without val.sources."""
@@ -67,8 +55,37 @@ class ValData:
     tokenizer: Any
     pad_token_id: int
 
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """The val metrics of the model as `state` holds it, without the val/ prefix; every
+        rank calls it at the same point."""
+        config, handles = state.config, state.handles
+        metrics: dict[str, float] = {}
+        if self.corpus is not None:
+            loss_sum, num_tokens = eval_loss_sums(
+                handles.model,
+                self,
+                handles.runtime,
+                seq_len=config.seq_len,
+                micro_batch_size=config.micro_batch_size,
+                chunk_tokens=config.model.loss_chunk_tokens,
+            )
+            metrics.update(loss_metrics(loss_sum, num_tokens))
+        if self.prompts:
+            from fnt.rollout.engine import InProcessEngine
 
-def load_validation(config: Config) -> Optional[ValData]:
+            if not isinstance(handles.rollouts, InProcessEngine):
+                raise ConfigError(
+                    "'val.prompts' is set but the state has no in-process rollout engine, "
+                    "whose inference copy generates the greedy answers"
+                )
+            reward_sum, count = eval_reward_sums(
+                handles.rollouts, handles.model, self, handles.runtime, config
+            )
+            metrics["reward/mean"] = reward_sum / count if count else math.nan
+        return metrics
+
+
+def load_eval_data(config: Config) -> Optional[EvalData]:
     """The val data of `config` (None when it has none); DataError for a bad file or line."""
     val = config.val
     if not (val.sources or val.prompts):
@@ -86,7 +103,7 @@ def load_validation(config: Config) -> Optional[ValData]:
             raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
         prompts = load_prompts(val.prompts, tokenizer)
         reward_fn = reward_function(config.rollout.reward)
-    return ValData(
+    return EvalData(
         corpus=corpus,
         rows=pack_in_order([corpus.length(i) for i in range(corpus.num_samples)], config.seq_len)
         if corpus is not None
@@ -131,11 +148,6 @@ def rank_rows(
     return rank_share(padded, dp_rank, dp_size, what="val rows")
 
 
-def is_due(step: int, interval: int) -> bool:
-    """Whether the state after `step` updates is evaluated: step is a multiple of interval > 0."""
-    return interval > 0 and step > 0 and step % interval == 0
-
-
 def loss_metrics(loss_sum: float, num_tokens: float) -> dict[str, float]:
     """loss, perplexity and num_tokens (unprefixed) from the summed cross entropy. Pure."""
     loss = loss_sum / num_tokens if num_tokens else math.nan
@@ -160,9 +172,9 @@ class _EvalMode:
 
 
 @torch.no_grad()
-def validation_loss_sums(
+def eval_loss_sums(
     model: nn.Module,
-    data: ValData,
+    data: EvalData,
     runtime: Runtime,
     *,
     seq_len: int,
@@ -171,7 +183,7 @@ def validation_loss_sums(
 ) -> tuple[float, float]:
     """(summed cross entropy, loss-token count) of all val rows over all ranks (an all-reduce)."""
     if data.corpus is None:
-        raise ValueError("validation_loss_sums needs val.sources")
+        raise ValueError("eval_loss_sums needs val.sources")
     rows = rank_rows(data.rows, runtime.dp_rank, runtime.dims.dp, micro_batch_size)
     sums = torch.zeros(2, dtype=torch.float64, device=runtime.device)
     with _EvalMode(model):
@@ -212,29 +224,15 @@ def greedy_answers(
     return [completions[0].token_ids for completions in groups]
 
 
-def answer_reward(text: str, prompt: Prompt, data: ValData, config: RLConfig) -> float:
-    """The reward of one greedy answer; ValueError naming the reward and the val.prompts line
-    when the reward function fails or returns something other than a finite real number."""
-    where = f"line {prompt.line} of val.prompts ({config.val.prompts})"
-    try:
-        value = data.reward_fn(text, prompt.record)
-    except Exception as e:
-        raise ValueError(f"reward {config.rollout.reward!r} failed on {where}: {e}") from e
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(
-            f"reward {config.rollout.reward!r} returned {value!r} for {text!r} on {where}; "
-            "expected a finite float"
-        )
-    return float(value)
-
-
-def validation_reward_sums(
-    engine: Any, policy: nn.Module, data: ValData, runtime: Runtime, config: RLConfig
+def eval_reward_sums(
+    engine: Any, policy: nn.Module, data: EvalData, runtime: Runtime, config: RLConfig
 ) -> tuple[float, float]:
     """(summed reward, prompt count) of the greedy answers to all val prompts over all ranks.
 
     The engine's inference copy is synced with the policy first (every rank, a collective under
-    FSDP2); rank r answers prompts r, r + dp, ..., so no rank idles when the count is uneven.
+    FSDP2); rank r answers prompts r, r + dp, ..., so no rank idles when the count is uneven. A
+    NaN or infinite reward follows rollout.on_bad_reward, as in training: "error" stops the run
+    naming the prompt, "skip" leaves that prompt out of the mean.
     """
     engine.sync_weights_(policy)
     mine = data.prompts[runtime.dp_rank :: runtime.dims.dp]
@@ -244,77 +242,13 @@ def validation_reward_sums(
         max_new_tokens=config.rollout.max_new_tokens,
         stop_token_ids=engine.stop_token_ids,
     )
-    total = 0.0
+    total, count, name = 0.0, 0, config.rollout.reward
     for prompt, ids in zip(mine, answers):
         text = data.tokenizer.decode(list(ids), skip_special_tokens=True)
-        total += answer_reward(text, prompt, data, config)
-    sums = torch.tensor([total, float(len(mine))], dtype=torch.float64, device=runtime.device)
+        where = f"line {prompt.line} of val.prompts ({config.val.prompts})"
+        rewards = score([text], prompt.record, data.reward_fn, name, where)
+        if keep_group(rewards, config.rollout.on_bad_reward, where, name):
+            total, count = total + rewards[0], count + 1
+    sums = torch.tensor([total, float(count)], dtype=torch.float64, device=runtime.device)
     reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
     return reward_sum, count
-
-
-def evaluate(state: Any) -> dict[str, float]:
-    """The val metrics of the model as `state` holds it, without the val/ prefix; every rank
-    calls it at the same point."""
-    config, handles = state.config, state.handles
-    data: ValData = handles.val
-    metrics: dict[str, float] = {}
-    if data.corpus is not None:
-        loss_sum, num_tokens = validation_loss_sums(
-            handles.model,
-            data,
-            handles.runtime,
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-            chunk_tokens=config.model.loss_chunk_tokens,
-        )
-        metrics.update(loss_metrics(loss_sum, num_tokens))
-    if data.prompts:
-        reward_sum, count = validation_reward_sums(
-            handles.rollouts, handles.model, data, handles.runtime, config
-        )
-        metrics["reward/mean"] = reward_sum / count
-    return metrics
-
-
-class Validation:
-    """The val metrics of each row of a run: `row_metrics(state)` is called once per row, with
-    the state the row ends with. Built with the start state, which it evaluates right away when
-    val.eval_on_start is set (see the module docstring for which keys go into which row)."""
-
-    def __init__(self, state: Any) -> None:
-        self.interval = state.config.val.interval
-        self.enabled = state.handles.val is not None
-        self.pending: dict[str, float] = {}
-        self.pending_seconds = 0.0
-        if not self.enabled:
-            return
-        if state.handles.val.prompts:
-            from fnt.rollout.engine import InProcessEngine
-
-            if not isinstance(state.handles.rollouts, InProcessEngine):
-                raise ConfigError(
-                    "'val.prompts' is set but the state has no in-process rollout engine, whose "
-                    "inference copy generates the greedy answers"
-                )
-        config = state.config
-        if config.val.eval_on_start and state.progress.step < config.max_steps:
-            started = time.perf_counter()
-            self.pending = prefixed(evaluate(state), START_PREFIX)
-            self.pending_seconds = time.perf_counter() - started
-
-    def row_metrics(self, state: Any) -> dict[str, float]:
-        """val/* (when this row's step is due), val/start/* (in the first row) and time/val."""
-        if not self.enabled:
-            return {}
-        row, seconds = self.pending, self.pending_seconds
-        self.pending, self.pending_seconds = {}, 0.0
-        if is_due(state.progress.step, self.interval):
-            started = time.perf_counter()
-            row = {**row, **prefixed(evaluate(state), PREFIX)}
-            seconds += time.perf_counter() - started
-        return {**row, "time/val": seconds}
-
-
-def prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
-    return {prefix + key: value for key, value in metrics.items()}

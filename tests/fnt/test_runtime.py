@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fnt.config import ConfigError, ParallelConfig
 from fnt.moe import num_experts_of
 from fnt.parallel import ParallelDims, plan_parallel_dims, resolve_ep
-from fnt.setup import threads_per_rank
+from fnt.runtime import threads_per_rank
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

@@ -1,4 +1,4 @@
-"""Validation during training (fnt.validation_pass): packing and rank shares, the loss equals each
+"""Validation during training (fnt.evaluation): packing and rank shares, the loss equals each
 held-out sample scored alone, greedy rewards, the rows' keys, and that validating never changes
 training."""
 
@@ -25,13 +25,14 @@ from fnt.config import (
     ValConfig,
 )
 from fnt.data import load_corpus
+from fnt.evaluation import loss_metrics, pack_in_order, rank_rows
 from fnt.metrics import to_floats
 from fnt.rewards import ascii_letters
 from fnt.rollout.generate import generate
 from fnt.rollout.prompts import load_prompts
-from fnt.setup import setup_trainer
+from fnt.rows import Evaluation, is_due
+from fnt.runtime import setup_trainer
 from fnt.tokenizer import stop_token_ids
-from fnt.validation_pass import Validation, is_due, loss_metrics, pack_in_order, rank_rows
 from steps import rl_step, sft_step
 
 SEQ_LEN = 48
@@ -88,7 +89,7 @@ def sft_config(model_dir, tmp_path, **val) -> Config:
         batch_size=4,
         micro_batch_size=2,
         max_steps=3,
-        data=DataConfig(kind="jsonl", sources=(DataSourceConfig(path=str(train)),)),
+        data=DataConfig(kind="sources", sources=(DataSourceConfig(path=str(train)),)),
         val=ValConfig(sources=(DataSourceConfig(path=str(held_out)),), **val),
     )
 
@@ -96,7 +97,7 @@ def sft_config(model_dir, tmp_path, **val) -> Config:
 def train_rows(config, step_fn, source, *, validate: bool):
     """The step metrics and val metrics of config.max_steps steps, and the final state."""
     state = init_state(config, setup_trainer(config))
-    validation = Validation(state) if validate else None
+    validation = Evaluation(state) if validate else None
     rows = []
     for state, metrics in fold(state, source, step_fn, config.max_steps):
         rows.append((to_floats(metrics), validation.row_metrics(state) if validate else {}))
@@ -112,7 +113,7 @@ def test_the_val_loss_is_every_held_out_sample_scored_alone(tiny_model_dir, tmp_
     state = init_state(config, setup_trainer(config))
     model = state.handles.model
     assert model.training
-    start = Validation(state).row_metrics(state)
+    start = Evaluation(state).row_metrics(state)
     assert model.training and all(p.grad is None for p in model.parameters())
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

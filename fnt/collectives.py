@@ -1,0 +1,44 @@
+"""The collectives the rest of fnt shares; each is the identity in a single process. Side
+effects: collectives across the data-parallel ranks (gloo on CPU, nccl on CUDA).
+
+Every rank must call each of them at the same point with the same shapes, or the ranks hang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from fnt.runtime import Runtime
+
+
+def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
+    """Sum a tensor over all ranks, in place (identity in a single process); returns it."""
+    if distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(values: Sequence[float], runtime: Runtime) -> list[float]:
+    """The largest of each value over all ranks (the values themselves in one process).
+
+    Float64 on the way, which holds counts exactly up to 2**53."""
+    if not runtime.distributed:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, Tensor]:
+    """The model's full (unsharded) state dict, gathered from its FSDP2 shards on every rank
+    (on the CPU with `cpu_offload`, where only rank 0 keeps the tensors); a plain model's own
+    state dict in one process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    return get_model_state_dict(model, options=options)

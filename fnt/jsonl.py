@@ -1,0 +1,34 @@
+"""Reading JSONL files with errors that say where: the one reader of data sources, prompts and
+preflight's first-record check. Side effect: reads the file. No heavy imports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+from fnt.errors import DataError
+
+
+def jsonl_records(
+    path: Union[str, Path], name: Optional[str] = None
+) -> Iterator[tuple[int, object]]:
+    """(1-based line number, parsed JSON) of every non-blank line, in order.
+
+    DataError `"{path}, line N: {reason}"` for a line that is not JSON (or not UTF-8), and
+    `"{name}: cannot read it: {reason}"` for a file that cannot be opened, where `name` says what
+    the file is to the user (default: the path).
+    """
+    try:
+        file = open(path, "rb")
+    except OSError as e:
+        raise DataError(f"{name or path}: cannot read it: {e.strerror or e}") from e
+    with file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_number, json.loads(line.decode("utf-8"))
+            except ValueError as e:  # bad JSON and bad UTF-8 both subclass ValueError
+                raise DataError(f"{path}, line {line_number}: {e}") from e

@@ -1,0 +1,144 @@
+"""The one metrics row of each step (`RowBuilder`): the step's own metrics with the loop's groups.
+Side effects: evaluations (fnt.evaluation: forward passes, collectives), a clock and a
+disk-usage query per row; the groups themselves are fnt.metrics' pure builders.
+
+A row carries, besides the step function's metrics: progress/* (from Progress), perf/* (this
+step's tokens over its time, MFU, peak memory), the timing the loop measured (time/step and the
+hooks'), time/save_ckpt (the save after the previous step: row N is written before step N's
+save), system/ckpt_disk_*, and the held-out metrics (`Evaluation`, calling the state's `val`
+handle, an fnt.state.Evaluator):
+
+- An evaluation after step N, when N is a multiple of val.interval, goes into row N: val/loss
+  (the summed cross entropy of all loss tokens over their count), val/perplexity (its exp) and
+  val/num_tokens (that count) with val.sources; val/reward/mean with val.prompts.
+- `val.eval_on_start` evaluates the start state (after S updates: 0, or the resumed
+  checkpoint's step) before the first step, and its values go into the run's first row, S + 1,
+  as val/start/loss, val/start/perplexity, val/start/num_tokens, val/start/reward/mean. They have
+  keys of their own because val/* of a row always describe the model that row ends with: row
+  S + 1 has val/* itself when S + 1 is a multiple of val.interval.
+- Every row of a run with validation has time/val, the seconds the row's evaluations took (0
+  when none ran), so that time/step stays the optimizer step's time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+from fnt.metrics import (
+    disk_metrics,
+    flops_per_token,
+    merge_metrics,
+    peak_flops_per_device,
+    peak_memory_gib,
+    perf_metrics,
+    step_row,
+    to_floats,
+)
+from fnt.model import model_facts
+from fnt.rundir import ckpt_root
+from fnt.state import Progress, TrainState
+
+PREFIX = "val/"
+START_PREFIX = "val/start/"
+
+
+def is_due(step: int, interval: int) -> bool:
+    """Whether the state after `step` updates is evaluated: step is a multiple of interval > 0."""
+    return interval > 0 and step > 0 and step % interval == 0
+
+
+def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
+    return {prefix + key: value for key, value in metrics.items()}
+
+
+class Evaluation:
+    """The val metrics of each row of a run: `row_metrics(state)` is called once per row, with
+    the state the row ends with. Built with the start state, which it evaluates right away when
+    val.eval_on_start is set (see the module docstring for which keys go into which row)."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.interval = state.config.val.interval
+        self.enabled = state.handles.val is not None
+        self.pending: dict[str, float] = {}
+        self.pending_seconds = 0.0
+        config = state.config
+        if self.enabled and config.val.eval_on_start and state.progress.step < config.max_steps:
+            started = time.perf_counter()
+            self.pending = prefixed(state.handles.val.evaluate(state), START_PREFIX)
+            self.pending_seconds = time.perf_counter() - started
+
+    def row_metrics(self, state: TrainState) -> dict[str, float]:
+        """val/* (when this row's step is due), val/start/* (in the first row) and time/val."""
+        if not self.enabled:
+            return {}
+        row, seconds = self.pending, self.pending_seconds
+        self.pending, self.pending_seconds = {}, 0.0
+        if is_due(state.progress.step, self.interval):
+            started = time.perf_counter()
+            row = {**row, **prefixed(state.handles.val.evaluate(state), PREFIX)}
+            seconds += time.perf_counter() - started
+        return {**row, "time/val": seconds}
+
+
+def progress_metrics(progress: Progress) -> dict[str, float]:
+    """progress/* keys of a row, derived from Progress. Pure."""
+    return {
+        "progress/epoch": float(progress.data.epoch),
+        "progress/num_samples": float(progress.total_samples),
+        "progress/num_tokens": float(progress.total_tokens),
+    }
+
+
+class RowBuilder:
+    """Built with a run's start state (with val.eval_on_start, that state is evaluated here);
+    `row(state, metrics, timing)` then makes each step's row, once per step, in order."""
+
+    def __init__(self, state: TrainState) -> None:
+        config, runtime = state.config, state.handles.runtime
+        self.runtime = runtime
+        self.evaluation = Evaluation(state)
+        self.peak_flops = peak_flops_per_device(config.runtime.peak_tflops, runtime.device)
+        facts = model_facts(state.handles.model)
+        self.flops_per_token = flops_per_token(
+            facts.num_params, facts.num_layers, facts.hidden_size, config.seq_len
+        )
+        self.tokens_before = state.progress.total_tokens
+        self.save_seconds = 0.0
+
+    def row(
+        self, state: TrainState, metrics: Mapping[str, Any], timing: Mapping[str, float]
+    ) -> dict[str, Any]:
+        """The row of the step `state` completed; `metrics` are the step function's, `timing`
+        has time/step and the loop's other time/* keys."""
+        progress = state.progress
+        tokens, self.tokens_before = (
+            progress.total_tokens - self.tokens_before,
+            progress.total_tokens,
+        )
+        perf = perf_metrics(
+            tokens,
+            timing["time/step"],
+            self.runtime.world_size,
+            self.flops_per_token,
+            self.peak_flops,
+            peak_memory_gib(self.runtime.device),
+        )
+        row = step_row(
+            progress.step,
+            time.time(),
+            perf,
+            {**timing, "time/save_ckpt": self.save_seconds},
+            disk_metrics(ckpt_root(state.config.output_dir)),
+            merge_metrics(
+                to_floats(metrics),
+                progress_metrics(progress),
+                self.evaluation.row_metrics(state),  # evaluates when the step is due
+            ),
+        )
+        self.save_seconds = 0.0
+        return row
+
+    def saved(self, seconds: float) -> None:
+        """The checkpoint after the last row took `seconds`: the next row carries them."""
+        self.save_seconds = seconds

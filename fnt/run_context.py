@@ -1,0 +1,173 @@
+"""What a run holds around its loop, as one context manager (`RunContext`). Side effects: signal
+handlers, a launcher watchdog thread, the process group, the run lock, config.json, the
+monitors, the profiler, closing the sources' handles, and an all-reduce per step for
+preemption.
+
+Entering takes, in order: the preemption signals (SIGTERM, SIGUSR1: they only take note), the
+watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0, before anything
+in the directory is read or changed; the command line takes it earlier still, and then it is
+already held: fnt.rundir.run_lock nests), and the process group (fnt.runtime.setup_trainer).
+`start(state)` then takes the start state: its handles are closed at the end, config.json is
+written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
+the reverse order, on a normal exit, an error or a preemption alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from fnt.collectives import all_reduce_max
+from fnt.config import Config, to_json
+from fnt.monitors import open_monitors
+from fnt.profiler import save_trace_, start_trace
+from fnt.rundir import CONFIG_FILE, rank0_run_lock
+from fnt.runtime import Runtime, setup_trainer, teardown_trainer
+from fnt.state import TrainState
+
+# What schedulers send before they kill a job (SLURM: SIGTERM, or SIGUSR1 via --signal).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised by `run` after a preemption signal, once the step it stopped at is checkpointed.
+
+    A SystemExit, so that the process exits with `runtime.preempt_exit_code` and no traceback,
+    and so that no `except Exception` on the way up can swallow it.
+    """
+
+
+def exit_with_launcher_(poll_s: float = 0.5) -> None:
+    """Under torchrun, end this worker when torchrun dies.
+
+    torchrun stops its workers when it exits normally, but a torchrun killed with SIGKILL (or
+    only its process group leader) leaves them running, still writing into a directory that a
+    restarted job is using. A daemon thread watches the parent pid: when the worker is
+    reparented, the launcher is gone, and the worker exits at once (status 1, one line on stderr).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        print(
+            f"rank {os.environ.get('RANK', '?')}: the launcher (pid {launcher}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fnt-launcher-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def noted_signals(received: list[int]):
+    """SIGTERM and SIGUSR1 append to `received` inside the block; the former handlers after.
+
+    A signal only takes note: the loop stops at the next step boundary, after a checkpoint, as an
+    exception raised mid-step or mid-save would lose the step or leave a partial save.
+    """
+    previous = {
+        sig: signal.signal(sig, lambda signum, _: received.append(signum))
+        for sig in PREEMPT_SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def agree_preempted(received: bool, runtime: Runtime) -> bool:
+    """Whether any rank received a preemption signal; one all-reduce under torchrun, so that all
+    ranks stop after the same step even when only some of them were signalled."""
+    return bool(all_reduce_max([float(received)], runtime)[0])
+
+
+class RunContext:
+    """The side effects around a run's loop (see the module docstring): `with RunContext(config)
+    as ctx`, then `state = ctx.start(state)`, `ctx.log(row)` once per step, `ctx.preempted()` at
+    each step boundary and `ctx.step_done(step)` after each step."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.signals: list[int] = []
+        self.stack = contextlib.ExitStack()
+        self.monitors: Any = None
+        self.profiler: Any = None
+        self.start_step = 0
+
+    def __enter__(self) -> RunContext:
+        stack, config = self.stack, self.config
+        try:
+            stack.enter_context(noted_signals(self.signals))
+            exit_with_launcher_()
+            stack.enter_context(rank0_run_lock(config.output_dir))
+            self.runtime = setup_trainer(config)
+            stack.callback(teardown_trainer, self.runtime)
+        except BaseException:
+            stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> Optional[bool]:
+        return self.stack.__exit__(*exc)
+
+    def start(self, state: TrainState) -> TrainState:
+        """Take the run's start state: close its handles when the run ends, write config.json
+        and open the monitors (rank 0), start the profiler."""
+        config, runtime = self.config, self.runtime
+        self.start_step = state.progress.step
+        for component in state.handles.components().values():
+            self.stack.callback(component.close)
+        if runtime.is_main:
+            output_dir = Path(config.output_dir)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / CONFIG_FILE).write_text(to_json(config) + "\n")
+            self.monitors = open_monitors(config, self.start_step)
+            self.stack.callback(self.monitors.close)
+        self.profiler = start_trace(config.trace_path)
+        self.stack.callback(self._stop_profiler)
+        return state
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        """Write a step's row to every monitor (rank 0; metrics.jsonl first)."""
+        if self.monitors is not None:
+            self.monitors.log(row)
+
+    def preempted(self) -> bool:
+        """Whether any rank has received a preemption signal (all ranks agree)."""
+        return agree_preempted(bool(self.signals), self.runtime)
+
+    def step_done(self, step: int) -> None:
+        """Close the profiler window once trace_steps steps have run (0: it stays open)."""
+        trace_steps = self.config.trace_steps
+        if self.profiler is not None and trace_steps and step - self.start_step >= trace_steps:
+            self._stop_profiler()
+
+    def stop_preempted(self, state: TrainState) -> Preempted:
+        """The exception that ends a preempted run (its step is checkpointed), announced."""
+        code = self.config.runtime.preempt_exit_code
+        if self.runtime.is_main:
+            by = (
+                signal.Signals(self.signals[0]).name if self.signals else "a signal to another rank"
+            )
+            print(
+                f"preempted by {by}: stopped after checkpointing step {state.progress.step}, "
+                f"exit status {code}",
+                flush=True,
+            )
+        return Preempted(code)
+
+    def _stop_profiler(self) -> None:
+        if self.profiler is not None:
+            save_trace_(self.profiler, self.config.trace_path, self.runtime.rank)
+            self.profiler = None

@@ -1,0 +1,243 @@
+"""The run directory: every file and folder name fnt writes under `output_dir`, the rule for step
+directories, their pruning, and the run's lock. Pure, except listing, pruning and moving step
+directories (`list_step_dirs`, `prune_steps_`, `abandon_newer_`) and the lock. Imports nothing
+heavy, so the command line, preflight and `fnt inspect` use it before (or without) torch.
+
+```
+{output_dir}/
+  config.json            the resolved config (rank 0, rewritten at every start)
+  metrics.jsonl          one strict-JSON row per step
+  wandb_run_id           the W&B run this directory logs to, when W&B is on
+  run.lock               held (flock) by the run using the directory
+  checkpoints/step_N/    complete checkpoints; step_N.partial/ while one is written
+      progress.json  meta.json  config.json  components/  DCP shards  COMPLETE
+  checkpoints/abandoned/<UTC time>/   the steps a fork moved aside
+  weights/step_N/        external RL: the published policy (a Hugging Face directory)
+  rollouts/step_N/       external RL: the orchestrator's samples.jsonl (and policy_step)
+```
+
+A step directory counts only when it is named exactly `step_N` (no leading zeros, ASCII digits)
+and holds the `COMPLETE` marker, which fnt.transaction writes last before renaming
+`step_N.partial` into place; a crash at any moment therefore leaves a complete directory or one
+that these rules ignore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import socket
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Iterable, Iterator, Optional, Union
+
+from fnt.errors import ConfigError
+from fnt.faults import fault_point
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+LOCK_FILE = "run.lock"
+CHECKPOINTS_DIR = "checkpoints"
+WEIGHTS_DIR = "weights"
+ROLLOUTS_DIR = "rollouts"
+ABANDONED_DIR = "abandoned"
+# Inside a checkpoint (besides CONFIG_FILE and the DCP shards).
+PROGRESS_FILE = "progress.json"
+META_FILE = "meta.json"
+COMPONENTS_DIR = "components"
+# Inside rollouts/step_N.
+SAMPLES_FILE = "samples.jsonl"
+POLICY_STEP_FILE = "policy_step"
+# The transaction's names (fnt.transaction).
+COMPLETE_MARKER = "COMPLETE"
+PARTIAL_SUFFIX = ".partial"
+
+_STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
+
+PathLike = Union[str, Path]
+
+
+def ckpt_root(output_dir: PathLike) -> Path:
+    """The directory that holds a run's checkpoints."""
+    return Path(output_dir) / CHECKPOINTS_DIR
+
+
+def step_name(step: int) -> str:
+    """The name of step N's directory: `step_N`."""
+    return f"step_{step}"
+
+
+def step_dir(root: PathLike, step: int) -> Path:
+    """`root/step_N`: a checkpoint, published weights or a step's rollouts."""
+    return Path(root) / step_name(step)
+
+
+def step_of(name: str) -> Optional[int]:
+    """N for a directory name `step_N`, else None."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def partial_step_of(name: str) -> Optional[int]:
+    """N for `step_N.partial` (a transaction that never finished), else None."""
+    return step_of(name[: -len(PARTIAL_SUFFIX)]) if name.endswith(PARTIAL_SUFFIX) else None
+
+
+def list_step_dirs(root: PathLike) -> list[tuple[str, bool]]:
+    """`(name, has_marker)` for each entry of root; empty if it does not exist."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [
+        (entry.name, entry.is_dir() and os.path.isfile(os.path.join(entry.path, COMPLETE_MARKER)))
+        for entry in os.scandir(root)
+    ]
+
+
+def complete_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
+    """Sorted steps of the complete directories in a listing of `(name, has_marker)`. Pure."""
+    return sorted(
+        step for name, has_marker in entries if has_marker and (step := step_of(name)) is not None
+    )
+
+
+def run_steps(entries: Iterable[tuple[str, bool]]) -> list[int]:
+    """Sorted steps of every `step_N` and `step_N.partial` in a listing, complete or not: what a
+    run leaves in a step-numbered directory (weights/, rollouts/). Pure."""
+    return sorted(
+        step
+        for name, _ in entries
+        if (step := step_of(name)) is not None or (step := partial_step_of(name)) is not None
+    )
+
+
+def abandoned_names(entries: Iterable[tuple[str, bool]], start_step: int) -> list[str]:
+    """The entries of a listing that a run starting at `start_step` moves aside: complete step
+    directories newer than the start (another trajectory: resuming would collide with them,
+    keep_last would count them as the newest, and "latest" would pick them later) and every
+    `step_M.partial` (a save that never finished). Pure."""
+    return sorted(
+        name
+        for name, has_marker in entries
+        if (has_marker and (step := step_of(name)) is not None and step > start_step)
+        or partial_step_of(name) is not None
+    )
+
+
+def steps_to_delete(steps: list[int], keep_last: int) -> list[int]:
+    """Complete steps beyond the newest `keep_last` (0 keeps all); never the newest one. Pure."""
+    if keep_last <= 0:
+        return []
+    ordered = sorted(steps)
+    return ordered[: max(0, len(ordered) - keep_last)]
+
+
+def prune_steps_(root: PathLike, keep_last: int) -> list[int]:
+    """Delete the complete step directories beyond the newest `keep_last`, and `step_N`
+    directories without the marker; returns the deleted steps.
+
+    Only a delete leaves a `step_N` without its marker (the marker goes first, so a crash
+    mid-delete leaves a directory that readers ignore); removing those finishes the delete.
+    Other names (`step_N.partial`, `abandoned/`, whatever fnt did not write) are never touched.
+    """
+    entries = list_step_dirs(root)
+    leftovers = [
+        step
+        for name, has_marker in entries
+        if not has_marker and (step := step_of(name)) is not None and step_dir(root, step).is_dir()
+    ]
+    doomed = steps_to_delete(complete_steps(entries), keep_last)
+    for step in doomed:
+        path = step_dir(root, step)
+        (path / COMPLETE_MARKER).unlink()
+        fault_point("cleanup", step)
+        shutil.rmtree(path)
+    for step in leftovers:
+        shutil.rmtree(step_dir(root, step))
+    return sorted(doomed + leftovers)
+
+
+def abandon_newer_(root: PathLike, start_step: int) -> list[tuple[Path, Path]]:
+    """Move what `abandoned_names` picks into `abandoned/<UTC time>/` under root, kept as it was;
+    returns the `(from, to)` pairs. Each move is one rename, so a crash in between leaves the
+    rest for the next start to move."""
+    from fnt.transaction import fsync_dir
+
+    names = abandoned_names(list_step_dirs(root), start_step)
+    if not names:
+        return []
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = Path(root) / ABANDONED_DIR / stamp
+    target.mkdir(parents=True)
+    moves = [(Path(root) / name, target / name) for name in names]
+    for source, destination in moves:
+        os.replace(source, destination)
+    fsync_dir(target)
+    fsync_dir(Path(root))
+    return moves
+
+
+# ---------------------------------------------------------------------------------------------
+# One run per directory
+
+
+def lock_output_dir_(output_dir: PathLike) -> IO[str]:
+    """Take the run's exclusive lock on `output_dir`, or raise ConfigError naming its holder.
+
+    Two runs on one directory would interleave their rows and checkpoints. The lock is an OS
+    `flock`, so it is released when its holder dies, however it dies: a stale lock file never
+    blocks. The holder's host and pid are written inside, for the message. Close the returned
+    file to release it.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / LOCK_FILE
+    # Opened without truncating: while another run holds the lock, its text must stay readable.
+    lock = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a run that has not written its host and pid yet"
+        lock.close()
+        raise ConfigError(
+            f"output_dir {str(output_dir)!r} is in use by another run ({holder}; lock {path}): "
+            "wait for it to end, stop it, or choose another output_dir"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+# The locks this process holds, by directory: `run_lock` nests, so the command line can take the
+# lock before its heavy imports and the driver's own `run_lock` then finds it held.
+_HELD: dict[str, IO[str]] = {}
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: PathLike) -> Iterator[None]:
+    """Hold the lock of `output_dir` (`lock_output_dir_`) for the block; inside a block of this
+    process that already holds it, do nothing."""
+    key = os.path.realpath(output_dir)
+    if key in _HELD:
+        yield
+        return
+    _HELD[key] = lock_output_dir_(output_dir)
+    try:
+        yield
+    finally:
+        _HELD.pop(key).close()
+
+
+def rank0_run_lock(output_dir: PathLike) -> contextlib.AbstractContextManager:
+    """`run_lock(output_dir)` on rank 0 (or in a process torchrun did not start), nothing on
+    the other ranks: they need no lock of their own, since torchrun stops them when rank 0
+    fails. The rank is read from the environment, so this works before any process group."""
+    if os.environ.get("RANK", "0") == "0":
+        return run_lock(output_dir)
+    return contextlib.nullcontext()

@@ -1,0 +1,115 @@
+"""The state a run starts from. Side effects: reads the run directory, loads the start state
+(fnt.build), prints, and on rank 0 moves an abandoned trajectory aside and prunes checkpoints.
+
+The decisions are fnt.resume's (`resolve_resume_step`, `reconcile_config`); this module acts on
+them: a fresh start refuses a directory that already holds another run's checkpoints or RL
+files, a resume first reconciles the config with the checkpoint's, and a run that starts at
+step N forks there (`abandon_newer_`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fnt.build import init_state, restore_
+from fnt.checkpoint import read_saved_config
+from fnt.config import Config, ConfigError, to_plain
+from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
+from fnt.rundir import (
+    ROLLOUTS_DIR,
+    WEIGHTS_DIR,
+    abandon_newer_,
+    ckpt_root,
+    complete_steps,
+    list_step_dirs,
+    prune_steps_,
+    run_steps,
+    step_dir,
+)
+from fnt.runtime import Runtime
+from fnt.state import TrainState
+
+
+def start_state(config: Config, runtime: Runtime) -> TrainState:
+    """The state a run starts from: restored from the checkpoint `config.resume` selects, or
+    fresh, in which case an earlier run's checkpoints, rollouts and weights in the output
+    directory are refused.
+
+    Before anything is built, a resume reconciles the config with the checkpoint's
+    (`reconcile_with_checkpoint`). Once the start state is loaded, rank 0 moves newer
+    checkpoints and published weights, and unfinished saves of either, aside (`abandon_newer_`):
+    the run forks there, and what it writes must not collide with, be deleted in favour of, or
+    be mixed with the old trajectory's. It then runs the keep_last cleanup.
+    """
+    root = ckpt_root(config.output_dir)
+    resume_step = resolve_resume_step(config.resume, root)
+    if resume_step is None:
+        refuse_stale_checkpoints(root)
+        refuse_stale_rl_files(Path(config.output_dir))
+    else:
+        reconcile_with_checkpoint(config, step_dir(root, resume_step), runtime.is_main)
+    state = init_state(config, runtime)
+    if resume_step is not None:
+        state = restore_(state, step_dir(root, resume_step))
+    if runtime.is_main:
+        for directory in (root, Path(config.output_dir) / WEIGHTS_DIR):
+            for source, target in abandon_newer_(directory, state.progress.step):
+                print(
+                    f"starting at step {state.progress.step}: moved {source} to {target}",
+                    flush=True,
+                )
+        # Also finishes a keep_last delete that a kill interrupted.
+        prune_steps_(root, config.ckpt.keep_last)
+    return state
+
+
+def reconcile_with_checkpoint(config: Config, checkpoint: Path, is_main: bool) -> None:
+    """Compare `config` with the one `checkpoint` was written with (fnt.resume.RESUME_POLICY):
+    a ConfigError listing every refused key, else (rank 0) one printed line per overridden key.
+    """
+    saved = read_saved_config(checkpoint)
+    if saved is None:
+        if is_main:
+            print(
+                f"resume: {checkpoint} records no config (an older fnt wrote it): "
+                "the current config is used as it is",
+                flush=True,
+            )
+        return
+    decisions = reconcile_config(saved, to_plain(config), force=config.resume_force)
+    message = refusal(decisions, checkpoint)
+    if message is not None:
+        raise ConfigError(message)
+    if is_main:
+        for line in override_lines(decisions):
+            print(line, flush=True)
+
+
+def refuse_stale_checkpoints(root: Path) -> None:
+    """A fresh start must not mix with an earlier run's checkpoints in the same directory."""
+    steps = complete_steps(list_step_dirs(root))
+    if steps:
+        raise ConfigError(
+            f"{root} already holds checkpoints of an earlier run "
+            f"(steps {', '.join(map(str, steps))}): "
+            "pass --resume latest to continue it, or choose a new output_dir"
+        )
+
+
+def refuse_stale_rl_files(output_dir: Path) -> None:
+    """A fresh start must not train on an earlier run's rollouts, nor publish its weights among
+    that run's: refuse an output_dir whose rollouts/ or weights/ hold step directories."""
+    found = {
+        name: steps
+        for name in (ROLLOUTS_DIR, WEIGHTS_DIR)
+        if (steps := run_steps(list_step_dirs(output_dir / name)))
+    }
+    if found:
+        listed = "; ".join(
+            f"{output_dir / name} (steps {', '.join(map(str, steps))})"
+            for name, steps in found.items()
+        )
+        raise ConfigError(
+            f"a fresh start, but {listed} hold files of an earlier RL run, which this run would "
+            "read as its own: remove or move them, or choose a new output_dir"
+        )
