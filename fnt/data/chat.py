@@ -141,6 +141,17 @@ def _checked_messages(messages: object) -> list[Message]:
     return messages
 
 
+def apply_template(tokenizer, messages: Sequence[Message], tools, template: str, **options):
+    """`tokenizer.apply_chat_template` of the messages with `template`; a template's own error
+    becomes a ValueError, which the loader reports with the record's file and line."""
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tools=tools, chat_template=template, **options
+        )
+    except TemplateError as e:
+        raise ValueError(f"the chat template failed: {e}") from e
+
+
 def has_generation_blocks(template: str) -> bool:
     """Whether the template marks assistant text with `{% generation %}` blocks."""
     return bool(GENERATION_BLOCK.search(template))
@@ -158,16 +169,14 @@ def tokenize_conversation(
         raise ValueError("the tokenizer has no chat template, and data.chat_template is empty")
 
     def render(msgs: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
-        try:
-            return tokenizer.apply_chat_template(
-                list(msgs),
-                tools=tools,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        except TemplateError as e:
-            raise ValueError(f"the chat template failed: {e}") from e
+        return apply_template(
+            tokenizer,
+            msgs,
+            tools,
+            template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     if has_generation_blocks(template):
         return [_generation_sample(messages, tokenizer, masking, template, tools)]
@@ -381,17 +390,15 @@ def _generation_sample(
             "data.train_reasoning = false cannot be honoured with a {% generation %} template: "
             "the template decides what of a turn is marked"
         )
-    try:
-        out = tokenizer.apply_chat_template(
-            list(messages),
-            tools=tools,
-            chat_template=template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-    except TemplateError as e:
-        raise ValueError(f"the chat template failed: {e}") from e
+    out = apply_template(
+        tokenizer,
+        messages,
+        tools,
+        template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
     input_ids = list(out["input_ids"])
     targets = [bool(t) for t in out["assistant_masks"]]
     if any(m["role"] == "assistant" for m in messages) and not any(targets):

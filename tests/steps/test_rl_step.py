@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
 
 from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
+from fnt.collectives import all_reduce_sum
 from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
 from fnt.runtime import setup_trainer
@@ -189,3 +191,22 @@ def test_a_step_with_only_zero_advantages_makes_no_update(tiny_model_dir):
     assert float(metrics["skipped/zero_advantage"]) == 0.0
     assert float(metrics["optim/skipped"]) == 0.0
     assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+
+
+def test_an_rl_step_reduces_its_counts_once(tiny_model_dir, monkeypatch):
+    """The step's counts and its zero-advantage decision share one all-reduce; the loss and
+    metric sums are the other: two per step (a third used to count the batch again)."""
+    state = make_state(tiny_model_dir)
+    rows = random_rows(0)
+    batch = rl_batch(rows, own_logprobs(state.handles.model, rows))
+    reduced = []
+
+    def counted(t, distributed):
+        reduced.append(t.numel())
+        return t
+
+    for module in list(sys.modules.values()):  # wherever the collective was imported
+        if getattr(module, "all_reduce_sum", None) is all_reduce_sum:
+            monkeypatch.setattr(module, "all_reduce_sum", counted)
+    rl_step(state, batch)
+    assert len(reduced) == 2, reduced
