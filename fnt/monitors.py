@@ -331,9 +331,3 @@ def open_monitors(config: Config, start_step: int) -> Monitors:
         monitors.append(WandbMonitor(config, start_step))
     monitors.append(ConsoleMonitor(config.max_steps, start_step))
     return Monitors(monitors)
-
-
-def read_metrics(output_dir: str) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl (for tests, evals and users' notebooks)."""
-    path = Path(output_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

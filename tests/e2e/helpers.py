@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,9 +13,17 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fnt.monitors import read_metrics
+from fnt.rundir import METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def read_metrics(output_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    path = Path(output_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 

@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from fnt.monitors import read_metrics
 from tests.chat_fixtures import load_fixture
-from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_cli
+from tests.e2e.helpers import (
+    assert_resumed_run_matches,
+    config_args,
+    copy_crashed_run,
+    read_metrics,
+    run_cli,
+)
 
 N, K = 4, 2
 EXACT_KEYS = ("loss/mean", "optim/grad_norm", "progress/num_samples", "progress/num_tokens")

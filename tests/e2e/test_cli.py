@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fnt.monitors import read_metrics
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_script
 
 SFT = "examples/debug/sft.toml"
 

@@ -10,13 +10,13 @@ import torch
 
 from fnt import Config, ModelConfig, fold, init_state, setup_trainer, sft_source, to_floats
 from fnt.config import OptimConfig
-from fnt.monitors import read_metrics
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
     model_weights,
+    read_metrics,
     run_cli,
     run_script,
 )

@@ -12,9 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fnt.errors import DataError
-from fnt.monitors import read_metrics
 from fnt.rollout.external import parse_sample, rank_samples
-from tests.e2e.helpers import REPO, config_args, run_cli, run_script
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_script
 
 STEPS = 3
 

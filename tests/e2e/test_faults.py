@@ -13,12 +13,12 @@ import time
 import pytest
 
 from fnt.faults import parse_fault
-from fnt.monitors import read_metrics
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,
     assert_resumed_run_matches,
     config_args,
+    read_metrics,
     run_cli,
     run_killed,
     run_script,

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from fnt.monitors import METRICS_FILE, read_metrics
 from fnt.resume import resolve_resume_step
-from fnt.rundir import COMPONENTS_DIR
+from fnt.rundir import COMPONENTS_DIR, METRICS_FILE
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,
     assert_resumed_run_matches,
     config_args,
+    read_metrics,
     run_cli,
     run_script,
 )

@@ -19,9 +19,8 @@ from fnt.config import Config, RLConfig, validate
 from fnt.config.loading import load_config, tomllib
 from fnt.data.chat import ChatMasking, tokenize_conversation
 from fnt.export import export_hf_
-from fnt.monitors import read_metrics
 from fnt.tokenizer import stop_token_ids
-from tests.e2e.helpers import REPO, config_args, run_cli
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli
 
 FIXTURE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.json"
 SFT, RL = "examples/qwen3/sft.toml", "examples/qwen3/rl.toml"

@@ -13,7 +13,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, sft_source
 from fnt.build import save_state_
 from fnt.config import OptimConfig
-from fnt.monitors import read_metrics
 from fnt.resume import resolve_resume_step
 from fnt.rundir import ABANDONED_DIR, COMPLETE_MARKER
 from fnt.runtime import setup_trainer
@@ -23,6 +22,7 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    read_metrics,
     run_cli,
     run_killed,
     run_script,

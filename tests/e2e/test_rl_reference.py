@@ -36,8 +36,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fnt.monitors import read_metrics
-from tests.e2e.helpers import config_args, model_weights, run_cli, run_script
+from tests.e2e.helpers import config_args, model_weights, read_metrics, run_cli, run_script
 
 pytestmark = pytest.mark.numerics
 

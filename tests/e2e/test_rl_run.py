@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fnt.monitors import read_metrics
-from tests.e2e.helpers import assert_resumed_run_matches, config_args, copy_crashed_run, run_cli
+from tests.e2e.helpers import (
+    assert_resumed_run_matches,
+    config_args,
+    copy_crashed_run,
+    read_metrics,
+    run_cli,
+)
 
 RL_KEYS = {
     "loss/mean",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -128,3 +129,35 @@ def test_workers_exit_when_torchrun_is_killed(tiny_model_dir, tmp_path):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+# `fnt` in a fresh interpreter; prints its exit status and whether torch was imported.
+PROBE = """
+import json, sys
+from fnt.__main__ import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print(json.dumps({"code": exc.code, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_busy_directory_is_refused_before_torch_is_imported(tiny_model_dir, tmp_path):
+    """The command line takes the lock right after parsing, so a second run on a busy
+    directory is refused in the time it takes to parse, whatever the first run is doing."""
+    out = tmp_path / "run"
+    held = lock_output_dir_(out)  # another open file: the probe's flock conflicts with it
+    try:
+        args = config_args("examples/debug/sft.toml", tiny_model_dir, out, "--resume", "latest")
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE, "sft", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        held.close()
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "torch": False}
+    assert "is in use by another run" in proc.stderr

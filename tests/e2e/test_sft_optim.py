@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
-from fnt.monitors import read_metrics
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    read_metrics,
     run_cli,
     run_script,
 )

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from fnt.monitors import read_metrics
-from tests.e2e.helpers import config_args, run_cli
+from tests.e2e.helpers import config_args, read_metrics, run_cli
 
 REQUIRED_KEYS = {
     "step",

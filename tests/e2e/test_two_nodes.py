@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from fnt.monitors import read_metrics
 from tests.e2e.helpers import (
     REPO,
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    read_metrics,
     run_cli,
 )
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fnt.monitors import read_metrics
-from tests.e2e.helpers import REPO, config_args, run_script
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_script
 
 SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"
 

@@ -97,3 +97,33 @@ def test_the_public_api_is_documented_and_fnt_never_imports_steps():
         "assert 'steps' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# The core: the records, the fold and the driver, and what they stand on. None of them may import
+# a source's implementation (fnt.data, fnt.rollout, fnt.evaluation): those plug in through the
+# protocols of fnt.state, built by fnt.build only when a config asks for them.
+CORE = (
+    "fnt.state",
+    "fnt.loop",
+    "fnt.run_context",
+    "fnt.rows",
+    "fnt.start",
+    "fnt.build",
+    "fnt.sources",
+    "fnt.update",
+    "fnt.checkpoint",
+    "fnt.runtime",
+)
+PLUGINS = ("fnt.data", "fnt.rollout", "fnt.evaluation")
+
+
+def test_the_core_imports_no_plugin():
+    code = (
+        f"import importlib, sys\n"
+        f"for module in {CORE!r}:\n"
+        f"    importlib.import_module(module)\n"
+        f"print(sorted(m for m in sys.modules if m.startswith({PLUGINS!r})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the core imports {done.stdout.strip()}"

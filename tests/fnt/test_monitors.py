@@ -19,11 +19,11 @@ from fnt.monitors import (
     JsonlMonitor,
     console_line,
     open_monitors,
-    read_metrics,
     rows_through,
     strict_json_line,
     truncate_metrics_,
 )
+from tests.e2e.helpers import read_metrics
 
 SETTINGS = settings(max_examples=150, deadline=None)
 TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

@@ -18,10 +18,10 @@ from fnt.monitors import (
     WANDB_QUEUE_ROWS,
     WandbMonitor,
     open_monitors,
-    read_metrics,
     recorded_wandb_run_id,
     wandb_init_attempts,
 )
+from tests.e2e.helpers import read_metrics
 
 
 def test_a_fresh_run_starts_a_new_wandb_run():

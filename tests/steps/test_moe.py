@@ -7,9 +7,8 @@ import torch
 
 from fnt.data.synthetic import synthetic_rows
 from fnt.moe import moe_metrics, router_stats
-from fnt.monitors import read_metrics
 from steps.sft import sft_step
-from tests.e2e.helpers import config_args, run_cli
+from tests.e2e.helpers import config_args, read_metrics, run_cli
 from tests.steps.test_sft import batch_of, make_state
 
 MOE_KEYS = {"max_vio/mean", "routing_confidence/mean"}

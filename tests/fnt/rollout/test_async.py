@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from fnt.loop import fold
-from fnt.monitors import read_metrics
 from fnt.rollout.engine import InProcessEngine, rollout_policy_step
 from fnt.rundir import COMPONENTS_DIR
 from fnt.runtime import setup_trainer
@@ -21,6 +20,7 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    read_metrics,
     run_cli,
     run_script,
 )
