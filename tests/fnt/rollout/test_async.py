@@ -152,3 +152,25 @@ def test_an_async_run_generates_exactly_the_rollouts_it_trains_on(
     assert not [t for t in threading.enumerate() if t.name.startswith("fnt-rollout")]
     time.sleep(0.5)
     assert len(counting_reward.calls) == 2 * per_step
+
+
+@pytest.mark.numerics
+def test_evaluation_during_an_async_run_changes_no_rollout(tiny_model_dir, tmp_path):
+    """Greedy val answers come from the engine's inference copy; the background jobs sample on
+    a copy of their own, so evaluating after every step leaves every training row as it is."""
+
+    def rows(out, *extra):
+        args = config_args("examples/debug/rl.toml", tiny_model_dir, out, *extra)
+        args += ("--max-steps", "4", "--rollout.async-level", "2", "--runtime.num-threads", "1")
+        run_cli("rl", *args, "--rollout.max-new-tokens", "24")
+        return read_metrics(out)
+
+    plain = rows(tmp_path / "plain")
+    evaluated = rows(
+        tmp_path / "evaluated",
+        *("--val.prompts", "examples/debug/prompts.jsonl", "--val.interval", "1"),
+    )
+    assert all("val/reward/mean" in row for row in evaluated)
+    for a, b in zip(plain, evaluated, strict=True):
+        for key in ("reward/mean", "reward/std", "loss/mean", "optim/grad_norm"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
