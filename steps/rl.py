@@ -19,11 +19,13 @@ with ref_logprobs, loss.ref_source = "rollouts") or come from the frozen referen
 `state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient.
 
 A step whose every loss token has advantage 0 (every group's rewards were equal, or skipped
-for a bad reward) is skipped on every rank alike: the decision is all-reduced, no forward,
-backward or update runs, the step still counts (its prompts are consumed, its row written with
-optim/skipped = 1 and skipped/zero_advantage = 1, its loss and entropy NaN). With
-loss.ref_kl_tau > 0 the KL to the reference is a learning signal of its own, so no step is
-skipped for its advantages.
+for a bad reward) is skipped on every rank alike when the loss is then exactly 0 in gradient
+(steps.rl_losses.zero_without_advantages: a built-in kind without the kl_tau penalty, or with
+it on tokens without inference logprobs, and without the reference KL; never a custom loss):
+the decision is all-reduced, no forward, backward or update runs, the step still counts (its
+prompts are consumed, its row written with optim/skipped = 1 and skipped/zero_advantage = 1,
+its loss and entropy NaN). Otherwise the penalties are a learning signal of their own and the
+step trains.
 
 Metrics of a step (sums come back over micro-batches and ranks; fnt.update):
 
@@ -66,7 +68,16 @@ from fnt.update import (
     micro_batches_to_run,
     step_counts,
 )
-from steps.rl_losses import LossInputs, aggregate, ref_kl_k3, sample_ids_of, token_loss
+from steps.rl_losses import (
+    LossInputs,
+    aggregate,
+    aggregation_of,
+    per_sample,
+    ref_kl_k3,
+    sample_ids_of,
+    token_loss,
+    zero_without_advantages,
+)
 
 # The metric sums every micro-batch's loss returns. All keys are always present: the sums are
 # all-reduced as one stacked tensor, so every rank must send the same keys.
@@ -81,11 +92,13 @@ SUM_KEYS = (
 )
 
 
-def policy_loss(inputs: LossInputs, config: RLLossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    inputs: LossInputs, config: RLLossConfig, max_new_tokens: Optional[int] = None
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The micro-batch's aggregated loss (before the division by N or S) and the metric sums of
-    SUM_KEYS but the entropy."""
+    SUM_KEYS but the entropy; `max_new_tokens` is the constant aggregation's L."""
     terms = token_loss(inputs, config)
-    loss = aggregate(terms.loss, inputs, config.aggregation)
+    loss = aggregate(terms.loss, inputs, aggregation_of(config), max_new_tokens)
     zero = inputs.logp.new_zeros(())
     sums = {
         "masked_high": terms.masked_high.sum().float(),
@@ -125,13 +138,16 @@ def loss_inputs(logprobs: TokenLogprobs, mb: RLMicroBatch) -> LossInputs:
 
 
 def rl_loss(
-    logprobs: TokenLogprobs, mb: RLMicroBatch, config: RLLossConfig
+    logprobs: TokenLogprobs,
+    mb: RLMicroBatch,
+    config: RLLossConfig,
+    max_new_tokens: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The LossFn of RL (with its config bound): the loss sum and the metric sums of SUM_KEYS.
 
     `logprobs` are at the sampling temperatures, with entropies (see `rl_gradients_`).
     """
-    loss, sums = policy_loss(loss_inputs(logprobs, mb), config)
+    loss, sums = policy_loss(loss_inputs(logprobs, mb), config, max_new_tokens)
     return loss, {"entropy": logprobs.entropy.sum(), **sums}
 
 
@@ -169,23 +185,25 @@ def rl_gradients_(
     chunk_tokens: int,
     ref_model: Optional[nn.Module] = None,
     counts: Optional[StepCounts] = None,
+    max_new_tokens: Optional[int] = None,
 ) -> StepTotals:
     """accumulate_gradients_ with the RL loss: logprobs and entropies at each token's sampling
     temperature, in chunks of `chunk_tokens` loss tokens (0: from the full logits). With
     loss.ref_kl_tau > 0 and `ref_model`, the reference logprobs come from it first. `counts`:
-    the step's global counts, when the caller has them (fnt.update.step_counts)."""
+    the step's global counts, when the caller has them (fnt.update.step_counts);
+    `max_new_tokens`: the constant aggregation's L (rollout.max_new_tokens)."""
     if config.ref_kl_tau and ref_model is not None:
         batch = reference_logprobs(ref_model, batch, runtime, chunk_tokens)
     return accumulate_gradients_(
         model,
         batch,
         runtime,
-        lambda logprobs, mb: rl_loss(logprobs, mb, config),
+        lambda logprobs, mb: rl_loss(logprobs, mb, config, max_new_tokens),
         rows_of=lambda mb: mb.rows,
         temperatures_of=lambda mb: mb.temperatures,
         entropy=True,
         chunk_tokens=chunk_tokens,
-        per_sample=config.aggregation == "sequence",
+        per_sample=per_sample(aggregation_of(config)),
         counts=counts,
     )
 
@@ -245,10 +263,10 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     started = time.perf_counter()
     config, runtime = state.config.loss, state.handles.runtime
     counts, zero_advantages = counts_and_zero_advantage(batch, runtime)
-    # With the reference KL on, the KL is a learning signal of its own: no step is skipped.
-    skip = zero_advantages and not config.ref_kl_tau
+    with_inference = any(mb.inference_logprobs is not None for mb in batch.micro_batches)
+    skip = zero_advantages and zero_without_advantages(config, with_inference)
     if skip:
-        totals = skipped_totals(counts, config.aggregation == "sequence")
+        totals = skipped_totals(counts, per_sample(aggregation_of(config)))
     else:
         totals = rl_gradients_(
             state.handles.model,
@@ -258,6 +276,7 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
             state.config.model.loss_chunk_tokens,
             ref_model=state.handles.ref_model,
             counts=counts,
+            max_new_tokens=state.config.rollout.max_new_tokens,
         )
     metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
     return complete_step_(

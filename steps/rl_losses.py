@@ -39,23 +39,33 @@ fnt.update leaves out and counts in loss/nan_count.
 The reference-model KL (`loss.ref_kl_tau` > 0), with ref_t the reference policy's logprob at
 the same temperature, adds to every kind
 
-    ref_kl_tau * k2_t,   k2_t = (logp_t - ref_t)^2 / 2,   d k2_t = (logp_t - ref_t) d logp_t
+    ref_kl_tau * sg(w_t) * k2_t,   k2_t = (logp_t - ref_t)^2 / 2,
+    d k2_t = (logp_t - ref_t) d logp_t
 
-For a token drawn from the policy at prefix s_t, (logp_t - ref_t) d logp_t is an unbiased
-estimate of the gradient of the token-level KL(pi(. | s_t) || pi_ref(. | s_t)), the prefix held
-fixed (the popular k3 = e^(ref - logp) - (ref - logp) - 1 as a loss has the gradient
-(1 - e^(ref - logp)) d logp, which is not, and it overflows for a token the policy has made very
-unlikely). The metric ref_kl/mean is the mean of k3 over the loss tokens, an unbiased,
-non-negative estimate of that KL itself, in float64 and without gradient.
+with w_t = r_t on the tokens the kind keeps (1 where it masked them, and 1 without inference
+logprobs). For a token drawn from the policy at prefix s_t, (logp_t - ref_t) d logp_t is an
+unbiased estimate of the gradient of the token-level KL(pi(. | s_t) || pi_ref(. | s_t)), the
+prefix held fixed; drawn from an older sampler q (async or stale external rollouts), the
+importance weight r_t = pi / q makes it unbiased again, as prime-rl weights it. (The popular
+k3 = e^(ref - logp) - (ref - logp) - 1 as a loss has the gradient (1 - e^(ref - logp)) d logp,
+which is not unbiased, and it overflows for a token the policy has made very unlikely.) The
+metric ref_kl/mean is the mean of k3 over the loss tokens, an unbiased, non-negative estimate
+of that KL itself, in float64 and without gradient.
 
-Aggregation (`loss.aggregation`), with N the step's global number of loss tokens and S its
-global number of samples (all micro-batches, all ranks; fnt.update divides):
+Aggregation (`loss.aggregation`), with N the step's global number of loss tokens, S its global
+number of samples (all micro-batches, all ranks; fnt.update divides) and L =
+rollout.max_new_tokens:
 
-    token     loss = sum over every loss token of l_t / N                     (DAPO, Dr. GRPO)
+    token     loss = sum over every loss token of l_t / N                        (DAPO)
     sequence  loss = sum over samples i of (sum over i's tokens of l_t / |y_i|) / S   (GRPO)
+    constant  loss = sum over every loss token of l_t / (S L)                    (Dr. GRPO)
 
 Token-mean weighs every token alike, so long samples carry more weight; sequence-mean weighs
-every sample alike, so a token of a short sample counts more. Masked tokens stay in N and |y_i|.
+every sample alike, so a token of a short sample counts more; constant divides by the same
+number whatever the lengths, so neither the batch's length mix nor a sample's own length scales
+its tokens (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training"). Masked tokens
+stay in N and |y_i|. `gspo` always uses the sequence form, whatever loss.aggregation says: its
+objective is the mean over samples of -A_i s_i (Zheng et al. 2025), each sample weighted alike.
 
 A custom loss (`loss.kind = "custom"`, `loss.custom = "module:function"`) is a function
 
@@ -231,12 +241,23 @@ def token_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
     if config.ref_kl_tau:
         if inputs.ref_logprobs is None:
             raise ValueError("loss.ref_kl_tau > 0 but the micro-batch has no reference logprobs")
-        out = TokenLoss(
-            out.loss + config.ref_kl_tau * ref_kl_k2(inputs.logp, inputs.ref_logprobs),
-            out.masked_high,
-            out.masked_low,
-        )
+        # The importance weight makes the term unbiased for tokens an older policy sampled.
+        keep = ~(out.masked_high | out.masked_low)
+        weight = kept_ratio(inputs.log_ratio().detach(), keep)
+        kl = weight * ref_kl_k2(inputs.logp, inputs.ref_logprobs)
+        out = TokenLoss(out.loss + config.ref_kl_tau * kl, out.masked_high, out.masked_low)
     return out
+
+
+def zero_without_advantages(config: RLLossConfig, has_inference_logprobs: bool) -> bool:
+    """Whether the loss's gradient is exactly 0 when every advantage is 0, so that such a step
+    can be skipped: the built-in kinds, as long as no other term acts, i.e. without the
+    kl_tau penalty (or with it and no inference logprobs: log r is then 0 in value and
+    gradient) and without the reference KL. Never a custom loss, which may have a signal of its
+    own."""
+    if config.kind == "custom" or config.ref_kl_tau:
+        return False
+    return not config.kl_tau or not has_inference_logprobs
 
 
 def ref_kl_k2(logp: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -251,14 +272,32 @@ def ref_kl_k3(logp: Tensor, ref_logprobs: Tensor) -> Tensor:
     return delta.exp() - delta - 1
 
 
-def aggregate(loss: Tensor, inputs: LossInputs, aggregation: str) -> Tensor:
+def aggregation_of(config: RLLossConfig) -> str:
+    """The aggregation a loss uses: loss.aggregation, but always "sequence" for gspo (its
+    objective is a mean over samples; module docstring)."""
+    return "sequence" if config.kind == "gspo" else config.aggregation
+
+
+def per_sample(aggregation: str) -> bool:
+    """Whether fnt.update divides the step's loss sum by its samples S (else by its tokens N)."""
+    return aggregation in ("sequence", "constant")
+
+
+def aggregate(
+    loss: Tensor, inputs: LossInputs, aggregation: str, max_new_tokens: Optional[int] = None
+) -> Tensor:
     """The micro-batch's share of the step's loss before fnt.update's division by N ("token")
-    or S ("sequence"): sum of l_t, or sum over samples of their token mean."""
+    or S ("sequence", "constant"): the sum of l_t, the sum over samples of their token mean, or
+    the sum of l_t / max_new_tokens."""
     if aggregation == "token":
         return loss.sum()
     if aggregation == "sequence":
         weights = 1.0 / inputs.sample_token_counts().clamp_min(1.0)
         return (loss * weights[inputs.sample_ids]).sum()
+    if aggregation == "constant":
+        if not max_new_tokens:
+            raise ValueError('loss.aggregation = "constant" divides by rollout.max_new_tokens')
+        return loss.sum() / max_new_tokens
     raise ValueError(f"unknown loss.aggregation {aggregation!r}")
 
 

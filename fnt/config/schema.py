@@ -270,8 +270,8 @@ class RLLossConfig:
 
     kind: Literal["dppo_tv", "ipo", "ratio", "gspo", "custom"] = "dppo_tv"
     """Per-token loss: dppo_tv (prime-rl default), ipo, ratio, gspo, custom (steps/rl_losses.py)."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """Divide the loss sum by the step's loss tokens (token), or average samples' token means."""
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    """Loss sum / loss tokens (token), mean of samples' means (sequence), / samples x max tokens."""
     dppo_mask_low: float = 0.2
     """dppo_tv: mask tokens with A < 0 whose probability already fell by more than this."""
     dppo_mask_high: float = 0.2

@@ -13,6 +13,7 @@ else and the rename from `step_N.partial`. The starting policy is published as
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -121,8 +122,19 @@ def _int_list(value: Any, key: str, where: str) -> list[int]:
     return value
 
 
+# A sampler's float32 or bf16 log-softmax can round a probability of 1 to a logprob a little
+# above 0; anything beyond that is not a log-probability.
+LOGPROB_SLACK = 1e-4
+
+
+def as_float32(value: float) -> float:
+    """`value` as the float32 the micro-batches store it in: +-inf beyond float32's range."""
+    return ctypes.c_float(value).value
+
+
 def _logprob_list(record: dict, key: str, length: int, where: str) -> Optional[list[float]]:
-    """record[key] as floats, one finite number per completion token, or None when absent."""
+    """record[key] as floats, one log-probability per completion token (finite once stored in
+    float32, and at most LOGPROB_SLACK above 0), or None when absent."""
     values = record.get(key)
     if values is None:
         return None
@@ -131,12 +143,12 @@ def _logprob_list(record: dict, key: str, length: int, where: str) -> Optional[l
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise DataError(f"{where}: '{key}' must be numbers")
     # A NaN or inf logprob would reach the loss and its gradient (a NaN ratio, an inf KL).
-    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise DataError(
-            f"{where}: '{key}' must be finite numbers, got {values[bad]!r} at completion token "
-            f"{bad}"
-        )
+    for i, value in enumerate(values):
+        if not math.isfinite(as_float32(value)) or value > LOGPROB_SLACK:
+            raise DataError(
+                f"{where}: '{key}' must be finite log-probabilities (<= 0, and finite in "
+                f"float32, where they are stored), got {value!r} at completion token {i}"
+            )
     return [float(v) for v in values]
 
 
@@ -159,12 +171,15 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
     numbers = {}
     for key, default in (("advantage", None), ("reward", 0.0), ("temperature", 1.0)):
         value = record.get(key, default)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise DataError(f"{where}: '{key}' must be a finite number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DataError(f"{where}: '{key}' must be a finite number, got {value!r}")
+        # Advantages and temperatures are stored in float32; the reward is only reported.
+        stored = value if key == "reward" else as_float32(value)
+        if not math.isfinite(stored):
+            raise DataError(
+                f"{where}: '{key}' must be a finite number (in float32 where it is stored), "
+                f"got {value!r}"
+            )
         numbers[key] = float(value)
     if numbers["temperature"] <= 0:
         raise DataError(f"{where}: 'temperature' must be > 0")

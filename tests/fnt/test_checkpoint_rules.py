@@ -83,7 +83,7 @@ def test_steps_to_delete_examples():
 
 
 # ---------------------------------------------------------------------------------------------
-# cleanup_checkpoints_ on a real directory
+# prune_steps_ on a real directory
 
 UNRELATED = ["foo", "step_x", "step_-1", "step_", "step_3_old", "step_3.bak", "latest", "notes.txt"]
 

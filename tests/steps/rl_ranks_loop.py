@@ -66,7 +66,8 @@ def config_of(model_dir: str, loss: RLLossConfig) -> RLConfig:
 
 
 def main(model_dir: str, reference_dir: str, out_dir: str) -> None:
-    config = config_of(model_dir, RLLossConfig())
+    # Without the kl_tau penalty: a loss that is exactly 0 when the advantages are (the skip).
+    config = config_of(model_dir, RLLossConfig(kl_tau=0.0))
     runtime = setup_trainer(config)
     rank, size = runtime.rank, runtime.world_size
     state = init_state(config, runtime)

@@ -16,8 +16,15 @@ from fnt.batch import PackedRows, RLMicroBatch
 from fnt.config import RLLossConfig
 from fnt.lm_head import logprobs_from_logits, loss_tokens_of
 from fnt.update import StepTotals
-from steps.rl import SUM_KEYS, rl_loss, rl_metrics
-from steps.rl_losses import LossInputs, TokenLoss, sample_ids_of
+from steps.rl import SUM_KEYS, policy_loss, rl_loss, rl_metrics
+from steps.rl_losses import (
+    LossInputs,
+    TokenLoss,
+    aggregation_of,
+    per_sample,
+    sample_ids_of,
+    token_loss,
+)
 
 V = 17
 KINDS = ("dppo_tv", "ipo", "ratio", "gspo")
@@ -89,10 +96,14 @@ def random_case(seed: int, with_inference: bool, with_ref: bool = False, noise: 
     return logits, mb
 
 
+# rollout.max_new_tokens: the constant aggregation's L in these cases (longer than any sample).
+MAX_NEW_TOKENS = 24
+
+
 def loss_of(logits, mb: RLMicroBatch, config: RLLossConfig):
     """rl_loss on the loss tokens' logprobs and entropies taken from full logits."""
     tokens = loss_tokens_of(mb.rows, mb.temperatures, entropy=True)
-    return rl_loss(logprobs_from_logits(logits, tokens), mb, config)
+    return rl_loss(logprobs_from_logits(logits, tokens), mb, config, MAX_NEW_TOKENS)
 
 
 def reference_tokens(logits, mb: RLMicroBatch):
@@ -151,16 +162,20 @@ def reference_token_loss(token, config: RLLossConfig, sample_log_ratio=None):
 def reference(logits, mb: RLMicroBatch, config: RLLossConfig, per_token=None):
     """The aggregated loss, its gradient on the logits and the metric sums, in float64.
 
-    `per_token(tokens, config) -> [l_t]` replaces the kind's table (for a custom loss).
+    `per_token(tokens, config) -> [l_t or (l_t, high, low)]` replaces the kind's table (for a
+    custom loss; a bare l_t masks nothing).
     """
     leaf, tokens = reference_tokens(logits, mb)
     by_sample: dict = {}
     for i, token in enumerate(tokens):
         by_sample.setdefault(token["sample"], []).append(i)
     stats = dict.fromkeys(SUM_KEYS, 0.0)
-    losses = []
+    losses, kept = [], []
     if per_token is not None:
-        losses = per_token(tokens, config)
+        for out in per_token(tokens, config):
+            loss, high, low = out if isinstance(out, tuple) else (out, False, False)
+            losses.append(loss)
+            kept.append(not (high or low))
     for i, token in enumerate(tokens):
         if per_token is None:
             members = by_sample[token["sample"]]
@@ -171,11 +186,15 @@ def reference(logits, mb: RLMicroBatch, config: RLLossConfig, per_token=None):
             ]
             loss, high, low = reference_token_loss(token, config, sum(log_ratios) / len(members))
             losses.append(loss)
+            kept.append(not (high or low))
             stats["masked_high"] += high
             stats["masked_low"] += low
         if config.ref_kl_tau:
             delta = token["logp"] - token["ref"]
-            losses[i] = losses[i] + config.ref_kl_tau * 0.5 * delta**2
+            # The importance weight r = pi / q of a kept token, a constant of the gradient.
+            q = token["q"]
+            weight = math.exp(float(token["logp"].detach()) - q) if q is not None and kept[i] else 1
+            losses[i] = losses[i] + config.ref_kl_tau * weight * 0.5 * delta**2
             d = token["ref"] - float(token["logp"].detach())
             stats["ref_kl"] += math.exp(d) - d - 1
             stats["ref_kl_tokens"] += 1
@@ -184,8 +203,12 @@ def reference(logits, mb: RLMicroBatch, config: RLLossConfig, per_token=None):
             log_r = float(token["logp"].detach()) - token["q"]
             stats["mismatch_kl"] += math.exp(log_r) - log_r - 1
             stats["mismatch_tokens"] += 1
-    if config.aggregation == "token":
+    # gspo's objective is a mean over samples whatever loss.aggregation says (GSPO's paper).
+    aggregation = "sequence" if config.kind == "gspo" else config.aggregation
+    if aggregation == "token":
         total = sum(losses)
+    elif aggregation == "constant":  # Dr. GRPO: the division by S happens outside, as for N
+        total = sum(losses) / MAX_NEW_TOKENS
     else:
         total = sum(sum(losses[j] for j in m) / len(m) for m in by_sample.values())
     total.backward()
@@ -204,7 +227,10 @@ def check_against_reference(logits, mb, config, per_token=None):
     return ref_stats
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+AGGREGATIONS = ("token", "sequence", "constant")
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_each_kind_and_aggregation_matches_the_formulas(kind, aggregation, seed):
@@ -220,7 +246,7 @@ def test_each_kind_and_aggregation_matches_the_formulas(kind, aggregation, seed)
 @given(
     seed=st.integers(0, 10_000),
     kind=st.sampled_from(KINDS),
-    aggregation=st.sampled_from(["token", "sequence"]),
+    aggregation=st.sampled_from(AGGREGATIONS),
     with_inference=st.booleans(),
     kl_tau=st.sampled_from([0.0, 1e-3, 0.3]),
 )
@@ -230,7 +256,7 @@ def test_random_cases_match_the_formulas(seed, kind, aggregation, with_inference
     check_against_reference(logits, mb, config)
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_the_reference_kl_term_matches_the_formula(aggregation):
     config = RLLossConfig(ref_kl_tau=0.4, aggregation=aggregation)
     logits, mb = random_case(3, with_inference=True, with_ref=True)
@@ -259,7 +285,9 @@ def reference_clipped(tokens, config):
     for token in tokens:
         r = torch.exp(token["logp"] - token["q"])
         clipped = torch.clamp(r, 1 - config.eps_low, 1 + config.eps_high)
-        out.append(-torch.minimum(r * token["a"], clipped * token["a"]))
+        loss = -torch.minimum(r * token["a"], clipped * token["a"])
+        ratio = float(r.detach())
+        out.append((loss, ratio > 1 + config.eps_high, ratio < 1 - config.eps_low))
     return out
 
 
@@ -270,7 +298,7 @@ def reference_length_weighted(tokens, config):
     return [-token["a"] * token["logp"] / counts[token["sample"]] for token in tokens]
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize(
     "name, per_token",
     [("clipped_loss", reference_clipped), ("length_weighted_loss", reference_length_weighted)],
@@ -412,17 +440,20 @@ def test_without_inference_logprobs_the_gradient_is_reinforce(kind):
     loss, sums = loss_of(logits, mb, config)
     loss.backward()
 
-    # With r = 1 in value every kind's gradient is -A d logp per token; GSPO's sample ratio
-    # gives each of the sample's |y_i| tokens -A mean d logp, which sums to the same.
+    # With r = 1 in value every kind's gradient is -A d logp per token; GSPO's sample ratio,
+    # in its sequence objective, gives each of the sample's |y_i| tokens -A d logp / |y_i|.
     expected = torch.zeros_like(logits)
     B, T = mb.rows.input_ids.shape
+    mask, documents = mb.rows.loss_mask, mb.rows.document_ids
     for b in range(B):
         for t in range(1, T):
-            if mb.rows.loss_mask[b, t]:
+            if mask[b, t]:
                 temp = float(mb.temperatures[b, t])
                 probs = torch.softmax(logits.detach()[b, t - 1] / temp, -1)
                 d_logp = (torch.nn.functional.one_hot(mb.rows.input_ids[b, t], V) - probs) / temp
-                expected[b, t - 1] = -float(mb.advantages[b, t]) * d_logp
+                length = int((mask[b] & (documents[b] == documents[b, t])).sum())
+                weight = 1 / length if kind == "gspo" else 1
+                expected[b, t - 1] = -float(mb.advantages[b, t]) * d_logp * weight
     torch.testing.assert_close(logits.grad, expected, rtol=1e-4, atol=1e-6)
     assert float(sums["masked_high"]) == 0 and float(sums["masked_low"]) == 0
     assert float(sums["mismatch_tokens"]) == 0
@@ -462,3 +493,84 @@ def test_a_step_without_finite_micro_batches_reports_nan_not_zero():
     assert math.isnan(float(metrics["entropy/all/mean"]))
     assert math.isnan(float(metrics["masked/high_fraction"]))
     assert "mismatch_kl/all/mean" not in metrics and "ref_kl/mean" not in metrics
+
+
+# Issue-level checks of the formulas' sources ---------------------------------------------------
+
+
+def two_samples(lengths=(2, 6), advantages=(1.0, 1.0), shift=(0.3, -0.2)):
+    """LossInputs of two samples of the given lengths, each token's log ratio its sample's
+    shift (so s_i = exp(shift_i)), with a leaf logp to differentiate."""
+    sample_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    q = -1.0 - 0.1 * torch.arange(len(sample_ids), dtype=torch.float32)
+    logp = (q + torch.tensor(shift)[sample_ids]).requires_grad_()
+    inputs = LossInputs(
+        logp=logp,
+        inference_logprobs=q,
+        ref_logprobs=None,
+        advantages=torch.tensor(advantages)[sample_ids],
+        sample_ids=sample_ids,
+        num_samples=len(lengths),
+    )
+    return inputs, logp
+
+
+def test_gspo_is_the_papers_sequence_objective_whatever_the_aggregation():
+    """GSPO (Zheng et al. 2025): J = mean over samples of A_i s_i, s_i the geometric mean of
+    the token ratios, so d J / d logp_t = A_i s_i / |y_i| for each token of sample i: a token of
+    a 2-token sample weighs three times one of a 6-token sample, not the same."""
+    for aggregation in ("token", "sequence", "constant"):
+        config = RLLossConfig(kind="gspo", kl_tau=0.0, aggregation=aggregation)
+        config = dataclasses.replace(config, gspo_eps_low=1.0, gspo_eps_high=1.0)  # no masking
+        inputs, logp = two_samples()
+        loss, _ = policy_loss(inputs, config, MAX_NEW_TOKENS)
+        loss.backward()
+        s = torch.exp(torch.tensor([0.3, -0.2]))
+        assert float(loss.detach()) == pytest.approx(float(-(s[0] + s[1])), rel=1e-6)
+        want = torch.cat([torch.full((2,), -float(s[0]) / 2), torch.full((6,), -float(s[1]) / 6)])
+        torch.testing.assert_close(logp.grad, want, rtol=1e-6, atol=0)
+        assert per_sample(aggregation_of(config))  # fnt.update then divides by the samples
+
+
+def test_the_constant_aggregation_is_dr_grpos_fixed_normaliser():
+    """Dr. GRPO (Liu et al. 2025) divides the token sum by a constant, samples x the maximum
+    completion length, so no token's weight depends on the lengths in its batch."""
+    config = RLLossConfig(kind="ratio", kl_tau=0.0, aggregation="constant")
+    inputs, logp = two_samples(advantages=(1.0, -1.0), shift=(0.0, 0.0))
+    loss, _ = policy_loss(inputs, config, MAX_NEW_TOKENS)
+    loss.backward()
+    # r = 1: l_t = -A_t, and the micro-batch's share is their sum over L (S divides outside).
+    assert float(loss.detach()) == pytest.approx((-2 + 6) / MAX_NEW_TOKENS)
+    torch.testing.assert_close(logp.grad, -inputs.advantages / MAX_NEW_TOKENS)
+    assert per_sample("constant") and not per_sample("token")
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
+def test_the_reference_kl_gradient_is_unbiased_on_and_off_policy(off_policy):
+    """An exact categorical case: one prefix, V tokens. The expected gradient of the reference
+    KL term over tokens drawn from the sampler q equals the gradient of KL(pi || pi_ref)
+    itself: with q = pi (on-policy) and with q another distribution, through the importance
+    weight."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(V, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(V, generator=gen, dtype=torch.float64), 0)
+    logp_all = torch.log_softmax(theta, 0)
+    sampler = torch.log_softmax(torch.randn(V, generator=gen, dtype=torch.float64), 0)
+    q = sampler if off_policy else logp_all.detach()
+    config = RLLossConfig(kind="dppo_tv", kl_tau=0.0, ref_kl_tau=1.0)
+    expected = torch.zeros(V, dtype=torch.float64)
+    for x in range(V):  # E_{x ~ q}[gradient of the term for the sampled token x]
+        inputs = LossInputs(
+            logp=logp_all[x : x + 1],
+            inference_logprobs=q[x : x + 1],
+            ref_logprobs=ref[x : x + 1],
+            advantages=torch.zeros(1, dtype=torch.float64),
+            sample_ids=torch.zeros(1, dtype=torch.int64),
+            num_samples=1,
+        )
+        loss = token_loss(inputs, config).loss.sum()
+        (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
+        expected += q[x].exp() * grad
+    kl = (logp_all.exp() * (logp_all - ref)).sum()
+    (want,) = torch.autograd.grad(kl, theta)
+    torch.testing.assert_close(expected, want, rtol=1e-9, atol=1e-12)

@@ -64,7 +64,10 @@ def recomputed(policy_dir, reference_dir, rows, inference, config: RLLossConfig)
             masked = (a > 0 and dp > config.dppo_mask_high) or (
                 a < 0 and dp < -config.dppo_mask_low
             )
-            term = config.kl_tau * (logp - q) ** 2 + config.ref_kl_tau * 0.5 * (logp - ref) ** 2
+            # The KL term carries the importance weight r = pi / q of a kept token.
+            weight = 1.0 if masked else math.exp(float(logp.detach()) - q)
+            kl = config.ref_kl_tau * weight * 0.5 * (logp - ref) ** 2
+            term = config.kl_tau * (logp - q) ** 2 + kl
             if not masked:
                 term = term - a * torch.exp(logp - q)
             loss = loss + term

@@ -171,14 +171,20 @@ def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir, k
         torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
 
 
-def test_a_step_with_only_zero_advantages_makes_no_update(tiny_model_dir):
-    state = make_state(tiny_model_dir)
-    model, rows = state.handles.model, random_rows(5)
-    batch = rl_batch(rows, own_logprobs(model, rows))
+def without_advantages(batch: RLBatch) -> RLBatch:
     zero = tuple(
         dataclasses.replace(mb, advantages=torch.zeros_like(mb.advantages))
         for mb in batch.micro_batches
     )
+    return dataclasses.replace(batch, micro_batches=zero)
+
+
+def test_a_step_with_only_zero_advantages_makes_no_update(tiny_model_dir):
+    # Without the kl_tau penalty the loss is exactly 0 when every advantage is.
+    state = make_state(tiny_model_dir, loss=RLLossConfig(kl_tau=0.0))
+    model, rows = state.handles.model, random_rows(5)
+    batch = rl_batch(rows, own_logprobs(model, rows))
+    zero = without_advantages(batch).micro_batches
     before = [p.detach().clone() for p in model.parameters()]
     state, metrics = rl_step(state, dataclasses.replace(batch, micro_batches=zero))
     assert state.progress.step == 1 and state.progress.data == DataPosition(0, ROWS)
@@ -210,3 +216,26 @@ def test_an_rl_step_reduces_its_counts_once(tiny_model_dir, monkeypatch):
             monkeypatch.setattr(module, "all_reduce_sum", counted)
     rl_step(state, batch)
     assert len(reduced) == 2, reduced
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        RLLossConfig(kl_tau=0.1),  # the penalty on log r, with inference logprobs
+        RLLossConfig(kind="custom", custom="tests.steps.test_rl_loss:length_weighted_loss"),
+    ],
+    ids=["kl_tau", "custom"],
+)
+def test_a_zero_advantage_step_trains_when_the_loss_has_a_signal_of_its_own(tiny_model_dir, loss):
+    """Only a loss that is 0 with zero advantages makes the step skip (steps.rl_losses.
+    zero_without_advantages): the kl_tau penalty pulls log r toward 0 off-policy, and a custom
+    loss may not vanish at all."""
+    state = make_state(tiny_model_dir, loss=loss)
+    model, rows = state.handles.model, random_rows(5)
+    inference = own_logprobs(model, rows) + 0.3  # a stale sampler: log r != 0
+    before = [p.detach().clone() for p in model.parameters()]
+    _, metrics = rl_step(state, without_advantages(rl_batch(rows, inference)))
+    assert float(metrics["skipped/zero_advantage"]) == 0.0
+    assert float(metrics["optim/skipped"]) == 0.0
+    if loss.kind != "custom":  # the custom one is -A logp / |y|: 0 in gradient too
+        assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))

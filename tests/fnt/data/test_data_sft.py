@@ -144,7 +144,7 @@ def write_sources(tmp_path, count_a: int, count_b: int) -> DataConfig:
     )
 
 
-def test_load_jsonl_data_reads_the_files_once_then_gives_checked_batches_over_epochs(
+def test_load_source_data_reads_the_files_once_then_gives_checked_batches_over_epochs(
     tmp_path, tokenizer
 ):
     data = write_sources(tmp_path, 6, 6)

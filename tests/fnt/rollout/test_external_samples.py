@@ -34,11 +34,23 @@ def line(**fields) -> str:
         ({"ref_logprobs": [-0.1, "x", -0.3]}, "'ref_logprobs' must be numbers"),
         ({"advantage": float("nan")}, "'advantage' must be a finite number"),
         ({"advantage": float("inf")}, "'advantage' must be a finite number"),
+        # Finite in float64 but not in the float32 the micro-batches store them in.
+        ({"inference_logprobs": [-0.1, -1e39, -0.3]}, "'inference_logprobs' must be finite"),
+        ({"advantage": 1e39}, "'advantage' must be a finite number .in float32"),
+        ({"temperature": 1e39}, "'temperature' must be a finite number .in float32"),
+        # Not a log-probability: above 0 by more than a sampler's rounding.
+        ({"inference_logprobs": [-0.1, 0.7, -0.3]}, "'inference_logprobs' must be finite log-p"),
+        ({"ref_logprobs": [0.01, -0.2, -0.3]}, "'ref_logprobs' must be finite log-p"),
     ],
 )
 def test_non_finite_or_malformed_values_name_the_file_and_line(fields, message):
     with pytest.raises(DataError, match=f"samples.jsonl, line 4: {message}"):
         parse_sample(line(**fields), "samples.jsonl, line 4")
+
+
+def test_a_logprob_a_little_above_0_from_a_samplers_rounding_is_accepted():
+    sample, *_ = parse_sample(line(inference_logprobs=[-0.1, 1e-6, 0.0]), "f, line 1")
+    assert sample.completion.logprobs == (-0.1, 1e-6, 0.0)
 
 
 def test_a_sample_parses_its_reference_logprobs():
