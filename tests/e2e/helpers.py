@@ -116,6 +116,14 @@ def run_cli(command: str, *args: str, check: bool = True) -> subprocess.Complete
     return proc
 
 
+def run_fnt(command: str, *args: str, nproc: int = 0, env: dict[str, str] | None = None):
+    """`fnt COMMAND ARGS` (sft or rl): in this process for one rank (`run_cli`), in a subprocess
+    under torchrun for nproc > 0 or when the child needs `env` (`run_script`)."""
+    if nproc or env:
+        return run_script(f"{command}.py", *args, nproc=nproc, env=env)
+    return run_cli(command, *args)
+
+
 def config_args(config: str, model_dir, out, *extra: str) -> tuple[str, ...]:
     """`--config CONFIG --model.name MODEL --output-dir OUT` plus extra arguments."""
     return ("--config", config, "--model.name", str(model_dir), "--output-dir", str(out), *extra)

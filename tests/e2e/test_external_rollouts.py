@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from fnt.errors import DataError
 from fnt.rollout.external import parse_sample, rank_samples
-from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_script
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_fnt
 
 STEPS = 3
 
@@ -58,10 +58,7 @@ def test_trainer_and_orchestrator_exchange_rollouts_and_weights(tiny_model_dir, 
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
-        if nproc:
-            run_script("rl.py", *rl_args(tiny_model_dir, out), nproc=nproc)
-        else:
-            run_cli("rl", *rl_args(tiny_model_dir, out))
+        run_fnt("rl", *rl_args(tiny_model_dir, out), nproc=nproc)
         stdout, stderr = orchestrator.communicate(timeout=120)
     finally:
         orchestrator.kill()

@@ -19,7 +19,7 @@ from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     read_metrics,
-    run_cli,
+    run_fnt,
     run_killed,
     run_script,
 )
@@ -54,10 +54,7 @@ def args(model_dir, out, *extra, steps=N):
 def uninterrupted(tiny_model_dir, tmp_path_factory):
     def run(nproc):
         out = tmp_path_factory.mktemp(f"uninterrupted{nproc}") / "run"
-        if nproc:
-            run_script("sft.py", *args(tiny_model_dir, out), nproc=nproc)
-        else:
-            run_cli("sft", *args(tiny_model_dir, out))
+        run_fnt("sft", *args(tiny_model_dir, out), nproc=nproc)
         return out
 
     return run
@@ -84,11 +81,8 @@ def test_a_kill_at_any_fault_point_resumes_to_every_row_once(
     extra = ("--wandb.mode", "offline") if parse_fault(fault).phase == "wandb" else ()
     env = FAST_WANDB if extra else {}
     run_killed(*args(tiny_model_dir, out, *extra), fault=fault, nproc=nproc, env=env)
-    resume = args(tiny_model_dir, out, *extra, "--resume", "latest")
-    if nproc or env:  # the stub W&B package is found through the child's PYTHONPATH
-        run_script("sft.py", *resume, nproc=nproc, env=env)
-    else:
-        run_cli("sft", *resume)
+    # The stub W&B package is found through the child's PYTHONPATH (env).
+    run_fnt("sft", *args(tiny_model_dir, out, *extra, "--resume", "latest"), nproc=nproc, env=env)
     assert_resumed_run_matches(reference, out, 0, N, EXACT_KEYS, tmp_path)
 
 

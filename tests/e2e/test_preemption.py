@@ -22,7 +22,7 @@ from tests.e2e.helpers import (
     config_args,
     read_metrics,
     run_cli,
-    run_script,
+    run_fnt,
 )
 
 pytestmark = pytest.mark.numerics
@@ -96,10 +96,7 @@ def test_a_preemption_signal_checkpoints_the_step_and_resume_continues_exactly(
     tiny_model_dir, tmp_path, nproc, sig, code
 ):
     def sft(*extra):
-        if nproc:
-            run_script("sft.py", *args(tiny_model_dir, *extra), nproc=nproc)
-        else:
-            run_cli("sft", *args(tiny_model_dir, *extra))
+        run_fnt("sft", *args(tiny_model_dir, *extra), nproc=nproc)
 
     full = tmp_path / "full"
     sft(full)

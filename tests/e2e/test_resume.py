@@ -24,8 +24,8 @@ from tests.e2e.helpers import (
     copy_crashed_run,
     read_metrics,
     run_cli,
+    run_fnt,
     run_killed,
-    run_script,
 )
 
 pytestmark = pytest.mark.numerics
@@ -49,10 +49,7 @@ def args(model_dir, out, *extra):
 )
 def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
     def sft(*extra):
-        if nproc:
-            run_script("sft.py", *args(tiny_model_dir, *extra), nproc=nproc)
-        else:
-            run_cli("sft", *args(tiny_model_dir, *extra))
+        run_fnt("sft", *args(tiny_model_dir, *extra), nproc=nproc)
 
     full = tmp_path / "full"
     sft(full, "--ckpt.interval", str(K))

@@ -22,7 +22,7 @@ from tests.e2e.helpers import (
     copy_crashed_run,
     read_metrics,
     run_cli,
-    run_script,
+    run_fnt,
 )
 
 from . import counting_reward
@@ -118,10 +118,7 @@ def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
         )
 
     def rl(*extra):
-        if nproc:
-            run_script("rl.py", *args(*extra), nproc=nproc)
-        else:
-            run_cli("rl", *args(*extra))
+        run_fnt("rl", *args(*extra), nproc=nproc)
 
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     rl(full, "--ckpt.interval", "2")
