@@ -24,6 +24,9 @@ def test_python_m_fnt_sft_writes_one_row_per_step(tiny_model_dir, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
 
 
+# Slow: the default suite has `python -m fnt` (above) and fnt's main under torchrun (every
+# two-rank job of tests/two_ranks.py); this is the README's command as one piece.
+@pytest.mark.slow
 def test_torchrun_m_fnt_sft_at_two_ranks(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = config_args(SFT, tiny_model_dir, out, "--max-steps", "3")
