@@ -5,10 +5,12 @@ Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and opt
 (the model directory, for export), `config.json` (the resolved config the checkpoint was written
 with, which a resume reconciles with its own: fnt.resume.reconcile_config), `components/NAME.pt`
 (the state of each source handle that has one, fnt.state.Component: e.g. the policies an async
-rollout engine still samples from) and the marker `COMPLETE`.
+rollout engine still samples from), `checksums.json` (the size and xxh3-128 digest of every
+other file, fnt.checksums) and the marker `COMPLETE`.
 
 How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
-barrier, rank 0 writes `progress.json`, `meta.json` and `config.json`, fsyncs everything, writes
+barrier, each rank hashes its share of the shards, rank 0 writes `progress.json`, `meta.json`,
+`config.json` and `components/`, hashes them, writes `checksums.json`, fsyncs everything, writes
 `COMPLETE`, renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step`
 counts only directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save
 leaves the previous checkpoint as the newest complete one. The learning rate is derived from
@@ -21,8 +23,10 @@ one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import warnings
 from functools import partial as bind
 from pathlib import Path
@@ -33,7 +37,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fnt.checksums import (
+    checkpoint_files,
+    digests,
+    rank_share,
+    share_problems,
+    write_checksums_,
+)
+from fnt.collectives import all_gather_objects
 from fnt.config import Config, to_json
+from fnt.errors import CheckpointError
 from fnt.faults import fault_point
 from fnt.rundir import (
     COMPLETE_MARKER,
@@ -79,6 +92,40 @@ def save_checkpoint_(
     """
     final = step_dir(ckpt_root, progress.step)
     partial = partial_dir(final)
+    try:
+        _write_checkpoint(
+            final,
+            partial,
+            progress,
+            model,
+            optimizer,
+            model_name,
+            rank,
+            distributed,
+            config,
+            components,
+        )
+    except Exception as exc:
+        full = disk_full_error(exc, final)
+        if full is None:
+            raise
+        raise full from exc
+    _barrier(distributed)
+    return final
+
+
+def _write_checkpoint(
+    final: Path,
+    partial: Path,
+    progress: Progress,
+    model: Any,
+    optimizer: Any,
+    model_name: str,
+    rank: int,
+    distributed: bool,
+    config: Optional[Config],
+    components: Mapping[str, Mapping[str, Any]],
+) -> None:
     if rank == 0:
         begin_dir_(final)
     _barrier(distributed)
@@ -94,6 +141,10 @@ def save_checkpoint_(
         )
     fault_point("shards", progress.step, rank)
     _barrier(distributed)
+    # Hashed now, while the shards are in the page cache: each rank hashes a share.
+    world_size = dist.get_world_size() if distributed else 1
+    shards = rank_share(checkpoint_files(partial), rank, world_size)
+    shard_digests = all_gather_objects(digests(partial, shards), distributed)
     if rank == 0:
         write_synced_(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
         write_synced_(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
@@ -103,6 +154,9 @@ def save_checkpoint_(
             if state:
                 (partial / COMPONENTS_DIR).mkdir(exist_ok=True)
                 torch.save(dict(state), partial / COMPONENTS_DIR / f"{name}.pt")
+        recorded = {name: d for share in shard_digests for name, d in share.items()}
+        rest = [name for name in checkpoint_files(partial) if name not in recorded]
+        write_checksums_(partial, {**recorded, **digests(partial, rest)})
         # A step_N left by another trajectory is moved aside at the start; should one still be
         # there (a directory copied in by hand), this save is the one to keep.
         commit_dir_(
@@ -113,25 +167,69 @@ def save_checkpoint_(
             before_rename=bind(fault_point, "marker", progress.step),
         )
         fault_point("committed", progress.step)
-    _barrier(distributed)
-    return final
+
+
+# Below this much free space, a failed save is taken for a full disk whatever the error says
+# (torch's zip writer reports a short write as "unexpected pos", without the errno).
+LOW_DISK_BYTES = 16 << 20
+
+
+def disk_full_error(exc: BaseException, final: Path) -> Optional[CheckpointError]:
+    """The error to raise for a save of `final` that failed because its disk is full, naming
+    ENOSPC, the directory and the free space; None when the disk is not full."""
+    causes, cause = [], exc
+    while cause is not None:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    try:
+        free = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    no_space = any(getattr(c, "errno", None) == errno.ENOSPC for c in causes)
+    if not no_space and (free is None or free >= LOW_DISK_BYTES):
+        return None
+    room = "" if free is None else f", {free / 2**20:.1f} MiB free"
+    return CheckpointError(
+        f"saving checkpoint {final.name} failed: no space left on device (ENOSPC) in "
+        f"{final.parent}{room}. Free space (or lower ckpt.keep_last) and resume: the newest "
+        f"complete checkpoint is unchanged. ({type(exc).__name__}: {exc})"
+    )
+
+
+def checkpoint_problems(path: Path, distributed: bool) -> list[str]:
+    """Every file of a checkpoint that fails its recorded checksum, one line each (empty: it
+    verifies, or it records no checksums). A collective under torchrun: each rank reads a share
+    of the files, and every rank gets the whole list."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    shares = all_gather_objects(share_problems(path, rank, world_size), distributed)
+    return [problem for share in shares for problem in share]
 
 
 def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: bool) -> Progress:
-    """Load model and optimizer state in place from a complete checkpoint; return its Progress."""
+    """Load model and optimizer state in place from a complete checkpoint; return its Progress.
+
+    A checkpoint that cannot be read is a CheckpointError naming it (with ckpt.verify on, the
+    start checks its checksums first, so this is a damage no checksum records)."""
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*assuming the intent is to load in a single process"
-        )
-        dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process"
+            )
+            dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
+        progress = read_progress(path)
+    except Exception as exc:  # DCP's errors name neither the checkpoint nor the file
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); resume from "
+            "another step, or with ckpt.verify = true to find the damaged file"
+        ) from exc
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    return read_progress(path)
+    return progress
 
 
 def read_components(path: Path, device: torch.device) -> dict[str, dict[str, Any]]:
@@ -159,4 +257,7 @@ def read_saved_config(path: Path) -> Optional[dict]:
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         return None
-    return json.loads(file.read_text())
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from None

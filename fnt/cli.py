@@ -13,22 +13,23 @@ from contextlib import contextmanager
 from typing import Any
 
 from fnt.config import CliArgs, Config, help_text, load_config, to_json, validate
-from fnt.errors import ConfigError, DataError
+from fnt.errors import CheckpointError, ConfigError, DataError
 
 EXIT_BAD_INPUT = 2
 
 
 @contextmanager
 def exit_on_bad_input() -> Iterator[None]:
-    """Turn a ConfigError or DataError into `error: <message>` on stderr and exit status 2.
+    """Turn a ConfigError, DataError or CheckpointError into `error: <message>` on stderr and
+    exit status 2.
 
-    Both are the user's input, not a bug, and their messages name the key or file, so a
+    They are the user's input (or disk), not a bug, and their messages name the key or file, so a
     traceback would only bury them. Under torchrun every rank meets the same bad input, and
     only rank 0 prints it.
     """
     try:
         yield
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, CheckpointError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

@@ -6,7 +6,7 @@ Every rank must call each of them at the same point with the same shapes, or the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,15 @@ def all_reduce_max(values: Sequence[float], runtime: Runtime) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def all_gather_objects(obj: Any, distributed: bool) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank (`[obj]` in one process)."""
+    if not distributed:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, Tensor]:

@@ -126,6 +126,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "ckpt.interval": MAY_CHANGE,
     "ckpt.keep_last": MAY_CHANGE,
     "ckpt.save_final": MAY_CHANGE,
+    "ckpt.verify": MAY_CHANGE,
     "parallel.dp_replicate": MAY_CHANGE,  # checkpoints reshard to any rank count
     "parallel.dp_shard": MAY_CHANGE,
     "parallel.cp": MAY_CHANGE,
@@ -135,11 +136,13 @@ RESUME_POLICY: dict[str, Policy] = {
     "wandb.project": MAY_CHANGE,
     "wandb.name": MAY_CHANGE,
     "wandb.timeout_s": MAY_CHANGE,
+    "wandb.finish_timeout_s": MAY_CHANGE,
     "runtime.num_threads": MAY_CHANGE,
     "runtime.matmul_precision": MAY_CHANGE,
     "runtime.dist_timeout_s": MAY_CHANGE,
     "runtime.peak_tflops": MAY_CHANGE,
     "runtime.preempt_exit_code": MAY_CHANGE,
+    "runtime.preempt_grace_s": MAY_CHANGE,
     "loss.eps_low": MAY_CHANGE,
     "loss.eps_high": MAY_CHANGE,
     "loss.kind": MAY_CHANGE,  # the loss shapes the updates to come, not the saved state

@@ -3,10 +3,12 @@ handlers, a launcher watchdog thread, the process group, the run lock, config.js
 monitors, the profiler, closing the sources' handles, and an all-reduce per step for
 preemption.
 
-Entering takes, in order: the preemption signals (SIGTERM, SIGUSR1: they only take note), the
-watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0, before anything
-in the directory is read or changed; the command line takes it earlier still, and then it is
-already held: fnt.rundir.run_lock nests), and the process group (fnt.runtime.setup_trainer).
+Entering takes, in order: the preemption signals (SIGTERM, SIGUSR1: the first asks for a
+checkpoint at the next step boundary, within a grace period: PreemptionWatch, with a thread of
+its own), the watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0,
+before anything in the directory is read or changed; the command line takes it earlier still,
+and then it is already held: fnt.rundir.run_lock nests), and the process group
+(fnt.runtime.setup_trainer).
 `start(state)` then takes the start state: its handles are closed at the end, config.json is
 written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
 the reverse order, on a normal exit, an error or a preemption alike.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -68,22 +71,92 @@ def exit_with_launcher_(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="fnt-launcher-watch", daemon=True).start()
 
 
-@contextlib.contextmanager
-def noted_signals(received: list[int]):
-    """SIGTERM and SIGUSR1 append to `received` inside the block; the former handlers after.
+class PreemptionWatch:
+    """SIGTERM and SIGUSR1 as a scheduler sends them: the first asks for a checkpoint at the next
+    step boundary (the loop reads `received`), and the run gets `grace_s` seconds to reach it;
+    if it does not (a step hung in a reward function, a collective or I/O), or on a second
+    signal, the process exits at once with `exit_code`, after one line naming what it was
+    doing. Exiting then writes nothing half-done: a row is one appended line, a checkpoint a
+    transaction, so the previous checkpoint stays the resume point.
 
-    A signal only takes note: the loop stops at the next step boundary, after a checkpoint, as an
-    exception raised mid-step or mid-save would lose the step or leave a partial save.
+    A Python signal handler runs only when the main thread is between bytecodes, which a hung
+    C call never is; so the handlers do nothing and a thread of its own learns of each signal
+    through `signal.set_wakeup_fd`, to which the interpreter writes the signal's number from
+    the C handler, at once.
     """
-    previous = {
-        sig: signal.signal(sig, lambda signum, _: received.append(signum))
-        for sig in PREEMPT_SIGNALS
-    }
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+
+    def __init__(self, grace_s: float, exit_code: int) -> None:
+        self.grace_s = grace_s
+        self.exit_code = exit_code
+        self.received: list[int] = []
+        self.doing = "the start"  # what the run is doing, for the exit line
+        self._deadline: Optional[float] = None  # armed by the first signal, until the boundary
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> PreemptionWatch:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous = {sig: signal.signal(sig, _note_nothing) for sig in PREEMPT_SIGNALS}
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="fnt-preemption", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        os.close(self._write_fd)  # the watcher reads end-of-file and ends
+        self._thread.join()
+        os.close(self._read_fd)
+
+    def reached_boundary(self) -> None:
+        """The step ended and its checkpoint begins: no deadline any more (a second signal still
+        ends the run)."""
+        with self._lock:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                deadline = self._deadline
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._read_fd], [], [], timeout)
+            if not ready:
+                with self._lock:
+                    expired = self._deadline is not None and time.monotonic() >= self._deadline
+                if expired:
+                    self._exit(
+                        f"{self.doing} did not end within runtime.preempt_grace_s = "
+                        f"{self.grace_s:g} s"
+                    )
+                continue
+            data = os.read(self._read_fd, 64)
+            if not data:
+                return
+            for signum in data:
+                if signum not in PREEMPT_SIGNALS:
+                    continue
+                if self.received:
+                    self._exit(f"a second {signal.Signals(signum).name} during {self.doing}")
+                self.received.append(signum)
+                with self._lock:
+                    self._deadline = time.monotonic() + self.grace_s
+
+    def _exit(self, why: str) -> None:
+        first = signal.Signals(self.received[0]).name
+        print(
+            f"preempted by {first}: {why}; exiting with status {self.exit_code} without "
+            "checkpointing it (the newest complete checkpoint stays the resume point)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(self.exit_code)
+
+
+def _note_nothing(signum: int, frame: object) -> None:
+    """The preemption signals' Python handler: the watcher thread has already been told."""
 
 
 def agree_preempted(received: bool, runtime: Runtime) -> bool:
@@ -99,7 +172,10 @@ class RunContext:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.signals: list[int] = []
+        self.watch = PreemptionWatch(
+            config.runtime.preempt_grace_s, config.runtime.preempt_exit_code
+        )
+        self.signals = self.watch.received
         self.stack = contextlib.ExitStack()
         self.monitors: Any = None
         self.profiler: Any = None
@@ -108,7 +184,7 @@ class RunContext:
     def __enter__(self) -> RunContext:
         stack, config = self.stack, self.config
         try:
-            stack.enter_context(noted_signals(self.signals))
+            stack.enter_context(self.watch)
             exit_with_launcher_()
             stack.enter_context(rank0_run_lock(config.output_dir))
             self.runtime = setup_trainer(config)
@@ -126,6 +202,7 @@ class RunContext:
         and open the monitors (rank 0), start the profiler."""
         config, runtime = self.config, self.runtime
         self.start_step = state.progress.step
+        self.watch.doing = f"step {self.start_step + 1}"
         for component in state.handles.components().values():
             self.stack.callback(component.close)
         if runtime.is_main:
@@ -144,11 +221,18 @@ class RunContext:
             self.monitors.log(row)
 
     def preempted(self) -> bool:
-        """Whether any rank has received a preemption signal (all ranks agree)."""
-        return agree_preempted(bool(self.signals), self.runtime)
+        """Whether any rank has received a preemption signal (all ranks agree); the step has
+        then reached its boundary, and the grace period ends."""
+        if not agree_preempted(bool(self.signals), self.runtime):
+            return False
+        self.watch.reached_boundary()
+        self.watch.doing = f"the checkpoint after {self.watch.doing}"
+        return True
 
     def step_done(self, step: int) -> None:
-        """Close the profiler window once trace_steps steps have run (0: it stays open)."""
+        """Note that step `step` is over; close the profiler window once trace_steps steps have
+        run (0: it stays open)."""
+        self.watch.doing = f"step {step + 1}"
         trace_steps = self.config.trace_steps
         if self.profiler is not None and trace_steps and step - self.start_step >= trace_steps:
             self._stop_profiler()

@@ -1,17 +1,22 @@
 """The run directory: every file and folder name fnt writes under `output_dir`, the rule for step
 directories, their pruning, and the run's lock. Pure, except listing, pruning and moving step
-directories (`list_step_dirs`, `prune_steps_`, `abandon_newer_`) and the lock. Imports nothing
-heavy, so the command line, preflight and `fnt inspect` use it before (or without) torch.
+directories (`list_step_dirs`, `prune_steps_`, `abandon_newer_`, `move_aside_`,
+`prune_abandoned_`), reading metrics_missing.json (`read_missing_steps`) and the lock. Imports
+nothing heavy, so the command line, preflight and `fnt inspect` use it before (or without) torch.
 
 ```
 {output_dir}/
   config.json            the resolved config (rank 0, rewritten at every start)
   metrics.jsonl          one strict-JSON row per step
+  metrics_missing.json   the steps whose row a resume found unreadable (only when there are)
   wandb_run_id           the W&B run this directory logs to, when W&B is on
+  wandb_logged           the last step W&B took (a resume sends it the rows it lacks)
   run.lock               held (flock) by the run using the directory
   checkpoints/step_N/    complete checkpoints; step_N.partial/ while one is written
-      progress.json  meta.json  config.json  components/  DCP shards  COMPLETE
-  checkpoints/abandoned/<UTC time>/   the steps a fork moved aside
+      progress.json  meta.json  config.json  components/  DCP shards  checksums.json
+      COMPLETE
+  checkpoints/abandoned/<UTC time>/   what a fork, an unfinished save or a failed check moved
+                         aside (the newest ABANDONED_KEEP are kept)
   weights/step_N/        external RL: the published policy (a Hugging Face directory)
   rollouts/step_N/       external RL: the orchestrator's samples.jsonl (and policy_step)
 ```
@@ -26,20 +31,23 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
 import socket
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Iterable, Iterator, Optional, Union
+from typing import IO, Collection, Iterable, Iterator, Optional, Union
 
 from fnt.errors import ConfigError
 from fnt.faults import fault_point
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+METRICS_MISSING_FILE = "metrics_missing.json"
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_LOGGED_FILE = "wandb_logged"
 LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
@@ -48,6 +56,7 @@ ABANDONED_DIR = "abandoned"
 # Inside a checkpoint (besides CONFIG_FILE and the DCP shards).
 PROGRESS_FILE = "progress.json"
 META_FILE = "meta.json"
+CHECKSUMS_FILE = "checksums.json"
 COMPONENTS_DIR = "components"
 # Inside rollouts/step_N.
 SAMPLES_FILE = "samples.jsonl"
@@ -85,6 +94,28 @@ def step_of(name: str) -> Optional[int]:
 def partial_step_of(name: str) -> Optional[int]:
     """N for `step_N.partial` (a transaction that never finished), else None."""
     return step_of(name[: -len(PARTIAL_SUFFIX)]) if name.endswith(PARTIAL_SUFFIX) else None
+
+
+def step_ranges(steps: Collection[int]) -> str:
+    """`1..3, 5, 7..8` for steps 1, 2, 3, 5, 7, 8. Pure."""
+    ordered, parts = sorted(steps), []
+    start = previous = None
+    for step in [*ordered, None]:
+        if previous is not None and step == previous + 1:
+            previous = step
+            continue
+        if start is not None:
+            parts.append(str(start) if start == previous else f"{start}..{previous}")
+        start = previous = step
+    return ", ".join(parts)
+
+
+def read_missing_steps(path: Path) -> list[int]:
+    """The steps a metrics_missing.json records as having no row (empty without the file)."""
+    try:
+        return sorted(json.loads(path.read_text())["missing_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def list_step_dirs(root: PathLike) -> list[tuple[str, bool]]:
@@ -162,12 +193,16 @@ def prune_steps_(root: PathLike, keep_last: int) -> list[int]:
 
 
 def abandon_newer_(root: PathLike, start_step: int) -> list[tuple[Path, Path]]:
-    """Move what `abandoned_names` picks into `abandoned/<UTC time>/` under root, kept as it was;
-    returns the `(from, to)` pairs. Each move is one rename, so a crash in between leaves the
-    rest for the next start to move."""
+    """Move what `abandoned_names` picks aside (`move_aside_`); returns the `(from, to)` pairs."""
+    return move_aside_(root, abandoned_names(list_step_dirs(root), start_step))
+
+
+def move_aside_(root: PathLike, names: list[str]) -> list[tuple[Path, Path]]:
+    """Move the named entries of root into `abandoned/<UTC time>/`, kept as they were; returns
+    the `(from, to)` pairs. Each move is one rename, so a crash in between leaves the rest where
+    they were (a start moves them again)."""
     from fnt.transaction import fsync_dir
 
-    names = abandoned_names(list_step_dirs(root), start_step)
     if not names:
         return []
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
@@ -179,6 +214,23 @@ def abandon_newer_(root: PathLike, start_step: int) -> list[tuple[Path, Path]]:
     fsync_dir(target)
     fsync_dir(Path(root))
     return moves
+
+
+# How many of the newest `abandoned/<UTC time>/` folders a start keeps: enough to look into what
+# the last few forks, interrupted saves and damaged checkpoints left, without filling the disk.
+ABANDONED_KEEP = 3
+
+
+def prune_abandoned_(root: PathLike, keep: int = ABANDONED_KEEP) -> list[Path]:
+    """Delete all but the newest `keep` folders of `root/abandoned/`; returns the deleted ones.
+    Their names are UTC times, so they sort by age."""
+    folder = Path(root) / ABANDONED_DIR
+    if not folder.is_dir():
+        return []
+    doomed = sorted(p for p in folder.iterdir() if p.is_dir())[: -keep or None]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 # ---------------------------------------------------------------------------------------------

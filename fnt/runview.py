@@ -22,6 +22,9 @@ parses; until then it is left out, with a note. Any other line that is not a row
 - `rows_beyond_checkpoint`: `{"first": A, "last": B, "checkpoint": N}` when rows A..B are newer
   than the newest complete checkpoint `step_N` (N is null when none is complete): the steps a
   resume redoes; null when no row is;
+- `missing_steps`: the steps up to the last row's that have no row: those a resume found
+  unreadable (recorded in metrics_missing.json) and any other gap; `duplicated_steps`: the
+  steps with more than one row (a resume keeps the last);
 - `wandb_run_id`: the contents of `wandb_run_id`;
 - `notes`: sentences about what was missing or left out;
 - `config_diff`, only with `--diff`: `{"other": PATH, "keys": {"dotted.key": [this, other]}}`
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Optional, Union
@@ -42,12 +46,15 @@ from fnt.errors import DataError
 from fnt.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
+    METRICS_MISSING_FILE,
     WANDB_ID_FILE,
     ckpt_root,
     complete_steps,
     list_step_dirs,
     partial_step_of,
+    read_missing_steps,
     step_name,
+    step_ranges,
 )
 
 # The metrics worth a glance, in display order; the RL ones appear only in RL runs.
@@ -75,6 +82,7 @@ class RunView:
     partial_line: bool  # the last line of metrics.jsonl was left out: not yet complete
     checkpoint_entries: tuple[tuple[str, bool], ...]  # (name, holds COMPLETE) in checkpoints/
     wandb_run_id: Optional[str]
+    recorded_missing: tuple[int, ...] = ()  # metrics_missing.json's steps
 
 
 def read_run(path: Union[str, Path]) -> RunView:
@@ -100,6 +108,7 @@ def read_run(path: Union[str, Path]) -> RunView:
         partial_line=partial,
         checkpoint_entries=tuple(sorted(list_step_dirs(ckpt_root(path)))),
         wandb_run_id=wandb_file.read_text().strip() if wandb_file.is_file() else None,
+        recorded_missing=tuple(read_missing_steps(path / METRICS_MISSING_FILE)),
     )
 
 
@@ -177,6 +186,17 @@ def wall_time(rows: tuple[dict, ...]) -> Optional[float]:
     return last - first + (first_step if isinstance(first_step, (int, float)) else 0.0)
 
 
+def row_gaps(view: RunView) -> dict[str, list[int]]:
+    """The missing and the duplicated steps of a run's rows (see the module docstring). Pure."""
+    counts = Counter(row["step"] for row in view.rows)
+    last = max(counts, default=0)
+    missing = set(view.recorded_missing) | {s for s in range(1, last + 1) if s not in counts}
+    return {
+        "missing_steps": sorted(missing),
+        "duplicated_steps": sorted(step for step, n in counts.items() if n > 1),
+    }
+
+
 def notes(view: RunView) -> list[str]:
     """What a reader of the summary should know about the files. Pure."""
     out = []
@@ -213,6 +233,7 @@ def summary(view: RunView) -> dict[str, Any]:
         "rows_beyond_checkpoint": (
             {"first": beyond[0], "last": beyond[-1], "checkpoint": newest} if beyond else None
         ),
+        **row_gaps(view),
         "wandb_run_id": view.wandb_run_id,
         "notes": notes(view),
     }
@@ -260,6 +281,13 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             f"beyond       rows {beyond['first']}..{beyond['last']} are beyond {where}; "
             "a resume redoes them"
+        )
+    if s["missing_steps"]:
+        lines.append(f"missing      no row for steps {step_ranges(s['missing_steps'])}")
+    if s["duplicated_steps"]:
+        lines.append(
+            f"duplicated   steps {step_ranges(s['duplicated_steps'])} have more than one row "
+            "(a resume keeps the last)"
         )
     if s["wandb_run_id"]:
         lines.append(f"wandb        run id {s['wandb_run_id']}")

@@ -10,10 +10,12 @@ step N forks there (`abandon_newer_`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional, Union
 
 from fnt.build import init_state, restore_
-from fnt.checkpoint import read_saved_config
+from fnt.checkpoint import checkpoint_problems, read_saved_config
 from fnt.config import Config, ConfigError, to_plain
+from fnt.errors import CheckpointError
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.rundir import (
     ROLLOUTS_DIR,
@@ -22,9 +24,12 @@ from fnt.rundir import (
     ckpt_root,
     complete_steps,
     list_step_dirs,
+    move_aside_,
+    prune_abandoned_,
     prune_steps_,
     run_steps,
     step_dir,
+    step_name,
 )
 from fnt.runtime import Runtime
 from fnt.state import TrainState
@@ -43,6 +48,8 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     """
     root = ckpt_root(config.output_dir)
     resume_step = resolve_resume_step(config.resume, root)
+    if resume_step is not None and config.ckpt.verify:
+        resume_step = verified_resume_step(config.resume, root, resume_step, runtime)
     if resume_step is None:
         refuse_stale_checkpoints(root)
         refuse_stale_rl_files(Path(config.output_dir))
@@ -58,9 +65,66 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
                     f"starting at step {state.progress.step}: moved {source} to {target}",
                     flush=True,
                 )
+            prune_abandoned_(directory)
         # Also finishes a keep_last delete that a kill interrupted.
         prune_steps_(root, config.ckpt.keep_last)
     return state
+
+
+def verified_resume_step(
+    resume: Union[int, bool, str, None], root: Path, step: int, runtime: Runtime
+) -> Optional[int]:
+    """The checkpoint to resume from once its files are checked against their checksums
+    (`checkpoint_problems`), from `step`, the one `resume` selects.
+
+    `resume = N` on a step_N that fails is a CheckpointError naming the bad files and the newest
+    step that verifies. "latest" falls back instead: rank 0 moves each newer checkpoint that
+    fails into abandoned/ with one line naming its bad files, then one line names the step the
+    run resumes from; when none verifies it is a CheckpointError.
+    """
+    problems = checkpoint_problems(step_dir(root, step), runtime.distributed)
+    if not problems:
+        return step
+    older = [s for s in reversed(complete_steps(list_step_dirs(root))) if s < step]
+    if not (resume is True or resume == "latest"):
+        good = next(
+            (s for s in older if not checkpoint_problems(step_dir(root, s), runtime.distributed)),
+            None,
+        )
+        raise CheckpointError(
+            f"resume = {step}: checkpoint {step_name(step)} fails verification: "
+            f"{'; '.join(problems)}; "
+            + (
+                f"the newest checkpoint that verifies is {step_name(good)} (--resume {good})"
+                if good is not None
+                else "no older checkpoint verifies"
+            )
+        )
+    failed: list[str] = []
+    for candidate in [step, *older]:
+        if candidate != step:
+            problems = checkpoint_problems(step_dir(root, candidate), runtime.distributed)
+        if not problems:
+            if runtime.is_main:
+                print(
+                    f"resume: falling back to {step_name(candidate)}, the newest checkpoint that "
+                    f"verifies (moved aside: {', '.join(failed)})",
+                    flush=True,
+                )
+            return candidate
+        failed.append(step_name(candidate))
+        if runtime.is_main:
+            ((_, target),) = move_aside_(root, [step_name(candidate)])
+            print(
+                f"resume: checkpoint {step_name(candidate)} fails verification: "
+                f"{'; '.join(problems)}; "
+                f"moved it to {target}",
+                flush=True,
+            )
+    raise CheckpointError(
+        f"resume = latest: no checkpoint in {root} verifies (each was moved to its abandoned/ "
+        "folder, named above); start afresh without --resume, or resume one by hand"
+    )
 
 
 def reconcile_with_checkpoint(config: Config, checkpoint: Path, is_main: bool) -> None:

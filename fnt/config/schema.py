@@ -163,6 +163,9 @@ class CkptConfig:
     """Keep only this many newest checkpoints; 0 keeps all."""
     save_final: bool = True
     """Save the state after the last step."""
+    verify: bool = True
+    """Check every file of a checkpoint against its recorded checksum before resuming from it;
+    `--resume latest` falls back to the newest checkpoint that verifies."""
 
 
 @dataclass_json
@@ -194,7 +197,10 @@ class WandbConfig:
     name: str = ""
     """W&B run name; empty lets W&B choose."""
     timeout_s: float = 60.0
-    """A W&B call (init, log, finish) still running after this many seconds disables W&B."""
+    """A W&B call (init, log) still running after this many seconds disables W&B; at the end of
+    a run, the queued rows get this long in all."""
+    finish_timeout_s: float = 10.0
+    """At the end of a run, W&B's finish (its last upload) gets this long, then is left behind."""
 
 
 @dataclass_json
@@ -212,6 +218,9 @@ class RuntimeConfig:
     """Peak TFLOP/s of one device for perf/mfu; 0 looks it up (CUDA) or assumes 1.0 (CPU)."""
     preempt_exit_code: int = 143
     """Exit status after SIGTERM or SIGUSR1: the step is checkpointed and the run stops there."""
+    preempt_grace_s: float = 30.0
+    """After SIGTERM or SIGUSR1, the step must end within this many seconds (or before a second
+    signal); else the run exits at once with preempt_exit_code, leaving the last checkpoint."""
 
 
 @dataclass_json

@@ -58,6 +58,8 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         "must be an exit status from 1 to 255",
     )
     require(config.wandb.timeout_s > 0, "wandb.timeout_s", "must be > 0")
+    require(config.runtime.preempt_grace_s > 0, "runtime.preempt_grace_s", "must be > 0")
+    require(config.wandb.finish_timeout_s > 0, "wandb.finish_timeout_s", "must be > 0")
     require(
         config.model.loss_chunk_tokens >= 0,
         "model.loss_chunk_tokens",

@@ -1,4 +1,5 @@
-"""Monitors: strict JSON lines, trimming after a crash, the console line (W&B: test_wandb.py)."""
+"""Monitors: strict JSON lines, the repair of metrics.jsonl on resume, the console line (W&B:
+test_wandb.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from fnt.monitors import (
     JsonlMonitor,
     console_line,
     open_monitors,
-    rows_through,
+    repair_metrics_,
+    repair_rows,
     strict_json_line,
-    truncate_metrics_,
 )
+from fnt.rundir import METRICS_MISSING_FILE, read_missing_steps, step_ranges
 from tests.e2e.helpers import read_metrics
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -65,48 +67,110 @@ def test_strict_json_line_example():
 
 @st.composite
 def metric_files(draw):
-    """Rows with steps, interleaved with torn lines and blank lines, as a crash might leave."""
-    steps = draw(st.lists(st.integers(0, 40), max_size=15))
+    """Rows with steps (some repeated, some absent), interleaved with torn, damaged and blank
+    lines, as crashes, forks and a bad disk might leave them. Returns the lines and, per line
+    number, the step of a good row (None for any other line)."""
+    steps = draw(st.lists(st.integers(1, 40), max_size=15))
     lines, good = [], []
     for step in steps:
         line = strict_json_line({"step": step, "loss/mean": draw(st.floats(allow_nan=False))})
         if draw(st.integers(0, 5)) == 0:
             cut = draw(st.integers(1, len(line) - 1))
             lines.append(line[:cut] + "\n")  # torn: never valid JSON, since the object is unclosed
+            good.append(None)
         else:
             lines.append(line + "\n")
-            good.append((step, line + "\n"))
+            good.append(step)
         if draw(st.integers(0, 8)) == 0:
-            lines.append("\n")
+            lines.append(draw(st.sampled_from(["\n", '{"step": 0}\n', "[1]\n"])))
+            good.append(None)
     if draw(st.booleans()) and lines:
         lines[-1] = lines[-1].rstrip("\n")  # the last line may lack its newline
     return lines, good
 
 
 @SETTINGS
-@given(metric_files(), st.integers(-1, 45))
-def test_rows_through(file, last_step):
+@given(metric_files(), st.integers(0, 45))
+def test_repair_keeps_the_last_row_of_each_step_and_names_every_dropped_line(file, last_step):
     lines, good = file
-    kept = rows_through(lines, last_step)
-    assert kept == [line for step, line in good if step <= last_step]
-    assert all(line.endswith("\n") for line in kept)
+    repair = repair_rows(lines, last_step)
+    last_line_of = {step: n for n, step in enumerate(good, 1) if step is not None}
+    expected = {s: n for s, n in sorted(last_line_of.items()) if s <= last_step}
+    assert list(repair.kept) == list(expected)
+    for step, number in expected.items():
+        assert repair.kept[step] == lines[number - 1].rstrip("\n") + "\n"
+    assert repair.missing == [s for s in range(1, last_step + 1) if s not in expected]
+    assert repair.beyond == sorted({s for s in good if s is not None and s > last_step})
+    assert set(repair.unreadable) == {
+        n for n, step in enumerate(good, 1) if step is None and lines[n - 1].strip()
+    }
+    # Every line of the file is kept, or named by a message (unreadable, duplicated, beyond).
+    named = set(repair.unreadable)
+    named |= {n for numbers in repair.duplicated.values() for n in numbers[:-1]}
+    named |= {n for n, step in enumerate(good, 1) if step in repair.beyond}
+    kept = {expected[s] for s in expected}
+    assert {n for n, line in enumerate(lines, 1) if line.strip()} == named | kept
+    messages = repair.messages("m.jsonl", "missing.json", known_missing=())
+    assert len(messages) == (
+        len(repair.unreadable) + len(repair.duplicated) + bool(repair.beyond) + bool(repair.missing)
+    )
 
 
 @SETTINGS
-@given(metric_files(), st.integers(-1, 45))
-def test_truncate_metrics_on_disk(file, last_step):
-    lines, good = file
+@given(metric_files(), st.integers(0, 45))
+def test_repair_on_disk_writes_the_kept_rows_and_records_the_missing_steps(file, last_step):
+    lines, _ = file
     with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
         path = Path(tmp) / METRICS_FILE
         path.write_text("".join(lines))
-        truncate_metrics_(path, last_step)
-        assert path.read_text() == "".join(line for step, line in good if step <= last_step)
-        assert [p.name for p in Path(tmp).iterdir()] == [METRICS_FILE]
+        repair_metrics_(path, last_step)
+        repair = repair_rows(lines, last_step)
+        assert path.read_text() == "".join(repair.kept.values())
+        assert read_missing_steps(Path(tmp) / METRICS_MISSING_FILE) == repair.missing
+        assert repair_metrics_(path, last_step) == []  # repaired: nothing more to say
+        expected = {METRICS_FILE} | ({METRICS_MISSING_FILE} if repair.missing else set())
+        assert {p.name for p in Path(tmp).iterdir()} == expected
 
 
-def test_truncate_missing_file_is_a_no_op(tmp_path):
-    truncate_metrics_(tmp_path / METRICS_FILE, 3)
-    assert not (tmp_path / METRICS_FILE).exists()
+def test_a_damaged_row_and_a_duplicated_pair_are_reported_with_their_line_numbers(tmp_path):
+    """The issue's cases: a row that lost a quote, and rows 1,2,3,4,3,4,5 resumed at step 5."""
+    path = tmp_path / METRICS_FILE
+    rows = [strict_json_line({"step": s, "loss/mean": 1.0}) + "\n" for s in (1, 2, 3, 4, 3, 4, 5)]
+    rows[1] = rows[1].replace('"step"', 'step"', 1)
+    path.write_text("".join(rows))
+    messages = repair_metrics_(path, 5)
+    assert messages == [
+        f"{path}:2: not a metrics row (invalid JSON at column 2: Expecting property name "
+        "enclosed in double quotes); dropped",
+        f"{path}: step 3 has 2 rows (lines 3, 5); kept the last",
+        f"{path}: step 4 has 2 rows (lines 4, 6); kept the last",
+        f"{path}: steps 2 have no readable row; recorded as missing in {METRICS_MISSING_FILE}",
+    ]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 3, 4, 5]
+    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == [2]
+    # The next resume does not report step 2 again; it is still recorded.
+    assert repair_metrics_(path, 5) == []
+    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == [2]
+
+
+def test_rows_beyond_the_start_are_dropped_with_one_line(tmp_path):
+    path = tmp_path / METRICS_FILE
+    path.write_text("".join(strict_json_line({"step": s}) + "\n" for s in range(1, 9)))
+    assert repair_metrics_(path, 5) == [
+        f"{path}: dropped the rows of steps 6..8, after the step this run starts from "
+        "(it redoes them)"
+    ]
+
+
+def test_step_ranges():
+    assert step_ranges([]) == ""
+    assert step_ranges([3]) == "3"
+    assert step_ranges([8, 1, 2, 3, 5, 7]) == "1..3, 5, 7..8"
+
+
+def test_repairing_a_missing_file_is_a_no_op(tmp_path):
+    assert repair_metrics_(tmp_path / METRICS_FILE, 0) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_jsonl_monitor_resume_keeps_one_row_per_step(tmp_path):

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
-from fnt.monitors import truncate_metrics_
+from fnt.monitors import repair_metrics_
 from fnt.resume import (
     FIXED,
     LAUNCH,
@@ -449,7 +449,7 @@ def test_the_metrics_trim_is_written_fsynced_and_renamed_then_the_directory_fsyn
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    truncate_metrics_(path, 3)
+    repair_metrics_(path, 3)
     tmp = str(tmp_path / "metrics.jsonl.tmp")
     assert events == [("fsync", tmp), ("replace", tmp, str(path)), ("fsync", str(tmp_path))]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

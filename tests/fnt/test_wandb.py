@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from fnt.monitors import (
     WandbMonitor,
     open_monitors,
     recorded_wandb_run_id,
+    replay_steps,
     wandb_init_attempts,
 )
 from tests.e2e.helpers import read_metrics
@@ -45,6 +47,9 @@ class FakeWandb(types.ModuleType):
 
     def __init__(self, refuse=(), block_log=None, block_finish=None):
         super().__init__("wandb")
+        self.stall_after: int | None = None  # logs after this many hang for good (a dead run)
+        self.log_seconds = 0.0  # how long each log takes
+        self.logs = 0
         self.histories: dict[str, dict[int, dict]] = {}
         self.configs: dict[str, dict] = {}
         self.inits: list[dict] = []
@@ -86,6 +91,10 @@ class FakeRun:
     def log(self, values, step):
         if self.wandb.block_log is not None:
             self.wandb.block_log.wait()
+        time.sleep(self.wandb.log_seconds)
+        self.wandb.logs += 1
+        if self.wandb.stall_after is not None and self.wandb.logs > self.wandb.stall_after:
+            threading.Event().wait()  # the process died inside this call: nothing more arrives
         history = self.wandb.histories[self.id]
         if history and step <= max(history):
             return  # what W&B does with a step it has already passed: drops it
@@ -157,10 +166,51 @@ def test_after_a_crash_and_resume_the_wandb_run_holds_the_rows_of_metrics_jsonl(
     elif refuse == ("rewind",):
         assert run_id != first_id and fake.inits[-1]["fork_from"] == f"{first_id}?_step=3"
         assert _wandb_rows(fake, run_id) == jsonl
-    else:  # a new run with the resumed rows only, whose config says where it came from
+    else:  # a new run, whose config says where it came from, sent every row
         assert run_id != first_id
         assert fake.configs[run_id]["fnt_resumed_from"] == f"{first_id}?_step=3"
-        assert _wandb_rows(fake, run_id) == jsonl[3:]
+        assert _wandb_rows(fake, run_id) == jsonl
+
+
+@pytest.mark.parametrize(
+    "refuse", [(), ("rewind",), ("rewind", "fork")], ids=["rewind", "fork", "new"]
+)
+@pytest.mark.parametrize("taken", [0, 2, 7])
+def test_rows_wandb_never_took_before_a_crash_are_sent_again_in_step_order(
+    tmp_path, fake_wandb, refuse, taken
+):
+    """The issue's case: W&B behind when the run died after checkpointing step 8 (rows 1..8 on
+    disk, `taken` of them sent); the resume at 8 must leave W&B with rows 1..12."""
+    fake = fake_wandb(refuse=refuse)
+    fake.stall_after = taken
+    out = tmp_path / "run"
+    crashed = open_monitors(_config(out), start_step=0)
+    _log_all(crashed, _rows(1, 8, "crashed"))
+    deadline = time.monotonic() + 10
+    while fake.logs <= taken and time.monotonic() < deadline:  # W&B got its `taken` rows
+        time.sleep(0.01)
+    crashed.monitors[0].close()  # the process dies: W&B's thread never goes on
+    fake.stall_after = None
+    old_id = recorded_wandb_run_id(out)
+    assert sorted(fake.histories[old_id]) == list(range(1, taken + 1))
+    resumed = open_monitors(_config(out), start_step=8)
+    _log_all(resumed, _rows(9, 12, "resumed"))
+    resumed.close()
+    assert _wandb_rows(fake, recorded_wandb_run_id(out)) == read_metrics(str(out))
+    assert [r["step"] for r in read_metrics(str(out))] == list(range(1, 13))
+
+
+def test_replay_steps():
+    logged = {"run_id": "old", "step": 5}
+    assert list(replay_steps({"resume_from": "old?_step=8"}, logged, 8)) == [6, 7, 8]
+    assert list(replay_steps({"resume_from": "old?_step=3"}, logged, 3)) == []
+    assert list(replay_steps({"id": "n", "fork_from": "old?_step=8"}, logged, 8)) == [6, 7, 8]
+    assert list(replay_steps({"id": "n", "fork_from": "old?_step=8"}, None, 8)) == list(range(1, 9))
+    other = {"run_id": "another", "step": 5}  # a record of another run says nothing of this one
+    assert list(replay_steps({"resume_from": "old?_step=2"}, other, 2)) == [1, 2]
+    assert list(replay_steps({"id": "n", "resumed_from": "old?_step=2"}, logged, 2)) == [1, 2]
+    assert list(replay_steps({"id": "n"}, logged, 0)) == []
+    assert list(replay_steps({"id": "n"}, None, 2)) == [1, 2]  # W&B turned on at a resume
 
 
 def test_without_rewind_a_plain_resume_of_the_same_id_would_keep_the_crashed_rows(fake_wandb):
@@ -224,18 +274,35 @@ def test_a_full_queue_disables_wandb_once(tmp_path, fake_wandb):
     assert len(messages) == 1 and "rows behind" in messages[0], messages
 
 
-def test_finish_has_a_timeout(tmp_path, fake_wandb):
+def test_finish_has_a_timeout_of_its_own(tmp_path, fake_wandb):
     release = threading.Event()
     fake = fake_wandb(block_finish=release)
     out = tmp_path / "run"
-    monitor = WandbMonitor(_config(out, timeout_s=0.2), start_step=0)
+    config = Config(
+        output_dir=str(out),
+        wandb=WandbConfig(mode="offline", timeout_s=60, finish_timeout_s=0.3),
+    )
+    monitor = WandbMonitor(config, start_step=0)
     _log_all(monitor, _rows(1, 2, "a"))
+    started = time.monotonic()
     try:
         messages = _warnings_of(lambda: _returns_promptly(monitor.close))
     finally:
         release.set()
-    assert len(messages) == 1 and "did not log its last rows and finish" in messages[0]
+    assert time.monotonic() - started < 5  # not wandb.timeout_s
+    assert len(messages) == 1 and "did not finish within wandb.finish_timeout_s" in messages[0]
     assert sorted(fake.histories[recorded_wandb_run_id(out)]) == [1, 2]
+
+
+def test_rows_still_queued_at_the_end_get_wandb_timeout_s_in_all(tmp_path, fake_wandb):
+    fake = fake_wandb()
+    fake.log_seconds = 0.1  # each log returns well within the timeout, 30 of them do not
+    monitor = WandbMonitor(_config(tmp_path / "run", timeout_s=0.5), start_step=0)
+    _log_all(monitor, _rows(1, 30, "a"))
+    started = time.monotonic()
+    messages = _warnings_of(lambda: _returns_promptly(monitor.close))
+    assert time.monotonic() - started < 1.5
+    assert len(messages) == 1 and "did not take its last rows" in messages[0], messages
 
 
 @pytest.fixture
