@@ -35,6 +35,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fnt.checksums import (
@@ -105,7 +106,7 @@ def save_checkpoint_(
             config,
             components,
         )
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         full = disk_full_error(exc, final)
         if full is None:
             raise
@@ -177,10 +178,7 @@ LOW_DISK_BYTES = 16 << 20
 def disk_full_error(exc: BaseException, final: Path) -> Optional[CheckpointError]:
     """The error to raise for a save of `final` that failed because its disk is full, naming
     ENOSPC, the directory and the free space; None when the disk is not full."""
-    causes, cause = [], exc
-    while cause is not None:
-        causes.append(cause)
-        cause = cause.__cause__ or cause.__context__
+    causes = exception_chain(exc)
     try:
         free = shutil.disk_usage(final.parent).free
     except OSError:
@@ -189,11 +187,25 @@ def disk_full_error(exc: BaseException, final: Path) -> Optional[CheckpointError
     if not no_space and (free is None or free >= LOW_DISK_BYTES):
         return None
     room = "" if free is None else f", {free / 2**20:.1f} MiB free"
+    first = causes[-1]  # where it started: DCP's own exception is a whole traceback per rank
     return CheckpointError(
         f"saving checkpoint {final.name} failed: no space left on device (ENOSPC) in "
         f"{final.parent}{room}. Free space (or lower ckpt.keep_last) and resume: the newest "
-        f"complete checkpoint is unchanged. ({type(exc).__name__}: {exc})"
+        f"complete checkpoint is unchanged. ({type(first).__name__}: {first})"
     )
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """`exc`, its causes and contexts, and the per-rank failures a DCP CheckpointException
+    holds, outermost first."""
+    chain, pending = [], [exc]
+    while pending:
+        cause = pending.pop(0)
+        chain.append(cause)
+        pending += [c for c in (cause.__cause__, cause.__context__) if c is not None]
+        if isinstance(cause, CheckpointException):
+            pending += [failure for failure, _ in cause.failures.values()]
+    return chain
 
 
 def checkpoint_problems(path: Path, distributed: bool) -> list[str]:
@@ -221,9 +233,11 @@ def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: boo
             )
             dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
         progress = read_progress(path)
-    except Exception as exc:  # DCP's errors name neither the checkpoint nor the file
+    except (Exception, CheckpointException) as exc:  # DCP's name neither checkpoint nor file
+        first = exception_chain(exc)[-1]
+        reason = str(first).split(". ")[0]  # torch's zip reader appends a paragraph of advice
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}); resume from "
+            f"checkpoint {path} cannot be read ({type(first).__name__}: {reason}); resume from "
             "another step, or with ckpt.verify = true to find the damaged file"
         ) from exc
     set_state_dict(

@@ -6,8 +6,10 @@ line exits with status 2 within about a second.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,14 +27,30 @@ def exit_on_bad_input() -> Iterator[None]:
 
     They are the user's input (or disk), not a bug, and their messages name the key or file, so a
     traceback would only bury them. Under torchrun every rank meets the same bad input, and
-    only rank 0 prints it.
+    only rank 0 prints it; every rank also leaves it in torchrun's error file, so that the
+    failure report torchrun prints next ends with the `error:` line instead of a pointer to
+    its docs (`report_to_launcher`).
     """
     try:
         yield
     except (ConfigError, DataError, CheckpointError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
+        report_to_launcher(f"error: {exc}")
         sys.exit(EXIT_BAD_INPUT)
+
+
+def report_to_launcher(message: str) -> None:
+    """Under torchrun, write `message` into the worker's error file (TORCHELASTIC_ERROR_FILE),
+    whose message torchrun's failure report shows as the worker's `traceback`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"message": message, "timestamp": int(time.time())}, fh)
+    except OSError:  # the report is a courtesy; the exit status says what happened
+        pass
 
 
 def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:

@@ -23,14 +23,13 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from fnt.collectives import all_reduce_max
 from fnt.config import Config, to_json
 from fnt.monitors import open_monitors
 from fnt.profiler import save_trace_, start_trace
-from fnt.rundir import CONFIG_FILE, rank0_run_lock
+from fnt.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock
 from fnt.runtime import Runtime, setup_trainer, teardown_trainer
 from fnt.state import TrainState
 
@@ -206,8 +205,7 @@ class RunContext:
         for component in state.handles.components().values():
             self.stack.callback(component.close)
         if runtime.is_main:
-            output_dir = Path(config.output_dir)
-            output_dir.mkdir(parents=True, exist_ok=True)
+            output_dir = make_output_dir_(config.output_dir)
             (output_dir / CONFIG_FILE).write_text(to_json(config) + "\n")
             self.monitors = open_monitors(config, self.start_step)
             self.stack.callback(self.monitors.close)

@@ -237,6 +237,31 @@ def prune_abandoned_(root: PathLike, keep: int = ABANDONED_KEEP) -> list[Path]:
 # One run per directory
 
 
+def make_output_dir_(output_dir: PathLike) -> Path:
+    """Create `output_dir` and its parents, as a user means them: a symlink whose target does
+    not exist yet creates the target (the link stays); a path that is a file, or that cannot be
+    created, is a ConfigError naming it."""
+    path = Path(output_dir)
+    if path.is_symlink() and not path.exists():
+        target = Path(os.path.realpath(path))
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"output_dir {str(path)!r} is a symlink to {str(target)!r}, which cannot be "
+                f"created: {exc.strerror}"
+            ) from None
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"output_dir {str(path)!r} is a file, not a directory: choose another output_dir"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir {str(path)!r} cannot be created: {exc.strerror}") from None
+    return path
+
+
 def lock_output_dir_(output_dir: PathLike) -> IO[str]:
     """Take the run's exclusive lock on `output_dir`, or raise ConfigError naming its holder.
 
@@ -245,8 +270,7 @@ def lock_output_dir_(output_dir: PathLike) -> IO[str]:
     blocks. The holder's host and pid are written inside, for the message. Close the returned
     file to release it.
     """
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = make_output_dir_(output_dir)
     path = output_dir / LOCK_FILE
     # Opened without truncating: while another run holds the lock, its text must stay readable.
     lock = open(path, "a+", encoding="utf-8")
