@@ -1,11 +1,16 @@
-"""A real run whose W&B hangs: training goes on at its own pace and W&B is dropped with one
-warning (the W&B calls run on a thread of their own, fnt.monitors.WandbMonitor)."""
+"""Real runs with a stub W&B: one that hangs, where training goes on at its own pace and W&B is
+dropped with one warning (the W&B calls run on a thread of their own,
+fnt.monitors.WandbMonitor); and one slower than training, killed, whose resumed W&B run holds
+the rows of metrics.jsonl."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.e2e.helpers import REPO, config_args, read_metrics, run_script
+from fnt.monitors import recorded_wandb_run_id
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_fnt, run_killed, run_script
 
 SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"
 
@@ -35,3 +40,43 @@ def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_p
         if "disabling W&B" in line or "giving up on it" in line
     ]
     assert len(warned) == 1, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("fault", "log_seconds", "nproc"),
+    [
+        pytest.param("committed@8", "0.3", 0, id="behind-killed-after-step_8"),
+        pytest.param("row@6", "0.3", 0, id="behind-killed-after-row-6", marks=pytest.mark.slow),
+        pytest.param("row@6", "0", 0, id="ahead-killed-after-row-6", marks=pytest.mark.slow),
+        pytest.param("committed@8", "0.3", 2, id="2ranks-behind", marks=pytest.mark.slow),
+    ],
+)
+def test_after_a_kill_the_wandb_run_holds_the_rows_of_metrics_jsonl(
+    tiny_model_dir, tmp_path, fault, log_seconds, nproc
+):
+    """A W&B slower than training (or faster), a SIGKILL, `--resume latest`: the W&B run (the
+    stub's server-side history) ends with exactly the rows of metrics.jsonl, 1..12."""
+    out, server = tmp_path / "run", tmp_path / "server"
+    server.mkdir()
+    env = {
+        "PYTHONPATH": f"{SLOW_WANDB}:{REPO}",
+        "SLOW_WANDB_LOG_SECONDS": log_seconds,
+        "SLOW_WANDB_HISTORY": str(server),
+    }
+    args = config_args(
+        "examples/debug/sft.toml",
+        tiny_model_dir,
+        out,
+        *("--max-steps", "12", "--ckpt.interval", "4", "--wandb.mode", "offline"),
+    )
+    run_killed(*args, fault=fault, nproc=nproc, env=env)
+    run_id = recorded_wandb_run_id(out)
+    before = json.loads((server / f"{run_id}.json").read_text())
+    if log_seconds != "0":
+        assert len(before) < 8, before.keys()  # W&B was behind when the run died
+    run_fnt("sft", *args, "--resume", "latest", nproc=nproc, env=env)
+    rows = read_metrics(out)
+    history = json.loads((server / f"{recorded_wandb_run_id(out)}.json").read_text())
+    assert [int(s) for s in history] == [r["step"] for r in rows] == list(range(1, 13))
+    for row in rows:
+        assert history[str(row["step"])]["loss/mean"] == row["loss/mean"], row["step"]

@@ -1,14 +1,43 @@
 """A stand-in for the `wandb` package whose every `log` takes 30 s (a W&B service that hangs),
 or $SLOW_WANDB_LOG_SECONDS.
 
-Put this directory first on PYTHONPATH to use it; see tests/e2e/test_wandb_run.py.
+With $SLOW_WANDB_HISTORY (a directory) it also keeps each run's history there, as the W&B
+server would, across processes: `{id}.json` maps steps to values; `resume_from` rewinds a run
+to its step, `fork_from` copies a run's history up to its step, and a log of a step the run
+has already passed is dropped. A test can then kill a run and compare what "W&B" holds with
+metrics.jsonl (tests/e2e/test_wandb_run.py).
+
+Put this directory first on PYTHONPATH to use it.
 """
 
+import json
 import os
 import time
 import uuid
+from pathlib import Path
 
 LOG_SECONDS = float(os.environ.get("SLOW_WANDB_LOG_SECONDS", "30"))
+HISTORY = os.environ.get("SLOW_WANDB_HISTORY")
+
+
+def _path(run_id):
+    return Path(HISTORY) / f"{run_id}.json"
+
+
+def _read(run_id):
+    path = _path(run_id)
+    return {int(s): v for s, v in json.loads(path.read_text()).items()} if path.exists() else {}
+
+
+def _write(run_id, history):
+    tmp = _path(run_id).with_suffix(".tmp")
+    tmp.write_text(json.dumps({str(s): v for s, v in sorted(history.items())}))
+    os.replace(tmp, _path(run_id))
+
+
+def _split(point):
+    run_id, step = point.split("?_step=")
+    return run_id, int(step)
 
 
 class Run:
@@ -17,10 +46,27 @@ class Run:
 
     def log(self, values, step):
         time.sleep(LOG_SECONDS)
+        if HISTORY:
+            history = _read(self.id)
+            if not history or step > max(history):
+                history[step] = values
+                _write(self.id, history)
 
     def finish(self):
         pass
 
 
 def init(**kwargs):
-    return Run(kwargs.get("id") or uuid.uuid4().hex[:12])
+    if "resume_from" in kwargs:
+        run_id, step = _split(kwargs["resume_from"])
+        if HISTORY:
+            _write(run_id, {s: v for s, v in _read(run_id).items() if s <= step})
+        return Run(run_id)
+    run_id = kwargs.get("id") or uuid.uuid4().hex[:12]
+    if HISTORY:
+        history = {}
+        if "fork_from" in kwargs:
+            source, step = _split(kwargs["fork_from"])
+            history = {s: v for s, v in _read(source).items() if s <= step}
+        _write(run_id, history)
+    return Run(run_id)
