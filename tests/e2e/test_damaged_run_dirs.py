@@ -6,18 +6,21 @@ symlink or a file as output_dir give one clear line."""
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fnt.rundir import ABANDONED_DIR, METRICS_FILE, METRICS_MISSING_FILE
 from tests.e2e.helpers import (
     REPO,
     assert_resumed_run_matches,
     config_args,
+    model_weights,
     read_metrics,
     run_cli,
     run_fnt,
@@ -252,3 +255,117 @@ def test_a_full_disk_during_a_save_names_enospc_and_keeps_the_last_checkpoint(
         f"{disk / 'run' / 'checkpoints'}, "
     ), line
     assert line.endswith("(OSError: [Errno 28] No space left on device)"), line
+
+
+# ---------------------------------------------------------------------------------------------
+# Soak: random damage
+
+
+def damage_file_at_random(path: Path, rng: random.Random) -> bool:
+    """Truncate, flip one bit or zero a 4 KiB block of `path` at a random place; whether its
+    bytes changed (zeroing zeros changes nothing)."""
+    data = bytearray(path.read_bytes())
+    kind = rng.choice(["truncate", "flip", "zero"])
+    if kind == "truncate":
+        del data[rng.randrange(len(data)) :]
+    elif kind == "flip":
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    else:
+        start = rng.randrange(len(data))
+        data[start : start + 4096] = bytes(len(data[start : start + 4096]))
+    changed = bytes(data) != path.read_bytes()
+    path.write_bytes(bytes(data))
+    return changed
+
+
+def damage_row_at_random(lines: list[str], rng: random.Random) -> tuple[list[str], str]:
+    """One row of metrics.jsonl made unreadable (a quote dropped, cut short, zeroed) or
+    duplicated; the new lines and what was done."""
+    index = rng.randrange(len(lines))
+    line = lines[index]
+    kind = rng.choice(["quote", "cut", "zeros", "duplicate"])
+    if kind == "duplicate":
+        return lines[: index + 1] + [line] + lines[index + 1 :], kind
+    if kind == "quote":
+        quotes = [i for i, c in enumerate(line) if c == '"']
+        spoiled = line[: (i := rng.choice(quotes))] + line[i + 1 :]
+    elif kind == "cut":
+        spoiled = line[: rng.randrange(1, len(line) - 1)] + "\n"
+    else:
+        spoiled = "\0" * (len(line) - 1) + "\n"
+    return lines[:index] + [spoiled] + lines[index + 1 :], kind
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_soak_random_damage_to_checkpoints_and_rows_never_goes_unnoticed(
+    tiny_model_dir, tmp_path, full_run
+):
+    """20 copies of a finished 8-step run (checkpoints at 2, 4, 6, 8), each with 1 to 3 random
+    damages to checkpoint files and metrics rows, resumed with --resume latest: each resumes
+    from the newest checkpoint left undamaged, saying so, or exits 2 when none is; the rows end
+    as 1..8 once, equal to the undamaged run's, but for the rows below the resume point that
+    could not be read, which metrics_missing.json records."""
+    full_rows = {r["step"]: r for r in read_metrics(full_run)}
+    for seed in range(20):
+        rng = random.Random(seed)
+        out = tmp_path / f"run{seed}"
+        shutil.copytree(full_run, out)
+        damaged_steps = set()
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.6:
+                step = rng.choice([2, 4, 6, 8])
+                directory = out / "checkpoints" / f"step_{step}"
+                files = sorted(p for p in directory.rglob("*") if p.is_file())
+                target = rng.choice([p for p in files if p.name != "COMPLETE"])
+                if damage_file_at_random(target, rng):
+                    damaged_steps.add(step)
+            else:
+                metrics = out / METRICS_FILE
+                lines, _ = damage_row_at_random(metrics.read_text().splitlines(True), rng)
+                metrics.write_text("".join(lines))
+        readable = readable_steps((out / METRICS_FILE).read_text().splitlines())
+        good = [s for s in (8, 6, 4, 2) if s not in damaged_steps]
+        proc = run_cli("sft", *sft_args(tiny_model_dir, out, "--resume", "latest"), check=False)
+        context = f"seed {seed}: damaged steps {sorted(damaged_steps)}\n{proc.stdout[-3000:]}"
+        assert proc.stdout.count("fails verification") == len(
+            [s for s in damaged_steps if not good or s > good[0]]
+        ), context
+        if not good:
+            assert proc.returncode == 2 and "no checkpoint in" in proc.stderr, context
+            continue
+        assert proc.returncode == 0, context + proc.stderr[-3000:]
+        start = good[0]
+        assert (f"falling back to step_{start}" in proc.stdout) == (start != 8), context
+        rows = {r["step"]: r for r in read_metrics(out)}
+        missing = [s for s in range(1, start + 1) if s not in readable]
+        assert sorted(rows) == [s for s in range(1, 9) if s not in missing], context
+        if missing:
+            recorded = json.loads((out / METRICS_MISSING_FILE).read_text())
+            assert recorded == {"missing_steps": missing}, context
+        else:
+            assert not (out / METRICS_MISSING_FILE).exists(), context
+        for step, row in rows.items():
+            for key in EXACT_KEYS:
+                assert row[key] == full_rows[step][key], (context, step, key)
+        assert_resumed_run_matches_weights(full_run, out, tmp_path)
+
+
+def readable_steps(lines: list[str]) -> set[int]:
+    """The steps of the lines that parse as a JSON object with an integer step."""
+    steps = set()
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and type(row.get("step")) is int:
+            steps.add(row["step"])
+    return steps
+
+
+def assert_resumed_run_matches_weights(full: Path, resumed: Path, tmp_path: Path) -> None:
+    w_full = model_weights(full / "checkpoints" / "step_8", tmp_path)
+    w_resumed = model_weights(resumed / "checkpoints" / "step_8", tmp_path)
+    for name in w_full:
+        assert torch.equal(w_full[name], w_resumed[name]), name

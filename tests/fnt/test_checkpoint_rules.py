@@ -14,8 +14,10 @@ from fnt.checkpoint import should_checkpoint
 from fnt.resume import resolve_resume_step
 from fnt.rundir import (
     ABANDONED_DIR,
+    ABANDONED_KEEP,
     COMPLETE_MARKER,
     abandon_newer_,
+    prune_abandoned_,
     prune_steps_,
     steps_to_delete,
 )
@@ -212,3 +214,30 @@ def test_abandon_twice_keeps_both_forks(tmp_path):
     assert abandon_newer_(root, 2) == []
     forks = sorted((root / ABANDONED_DIR).iterdir())
     assert [(f / "step_4" / COMPLETE_MARKER).read_text() for f in forks] == ["x", "y"]
+
+
+def test_only_the_newest_abandoned_folders_are_kept(tmp_path):
+    root = tmp_path / "checkpoints"
+    stamps = []
+    for n in range(ABANDONED_KEEP + 2):
+        (root / f"step_{n}.partial").mkdir(parents=True)  # a save a kill interrupted
+        ((_, target),) = abandon_newer_(root, 0)
+        stamps.append(target.parent.name)
+    (root / ABANDONED_DIR / "notes.txt").write_text("a user's file is not a fork")
+    deleted = prune_abandoned_(root)
+    assert [p.name for p in deleted] == stamps[:2]
+    left = sorted(p.name for p in (root / ABANDONED_DIR).iterdir())
+    assert left == sorted(stamps[2:] + ["notes.txt"])
+    assert prune_abandoned_(root) == []
+    assert prune_abandoned_(tmp_path / "nowhere") == []
+
+
+def test_a_start_prunes_abandoned_folders(tiny_model_dir, tmp_path):
+    from tests.e2e.helpers import config_args, run_cli
+
+    out = tmp_path / "run"
+    args = config_args("examples/debug/sft.toml", tiny_model_dir, out, "--ckpt.interval", "1")
+    run_cli("sft", *args, "--max-steps", "2")
+    for _ in range(ABANDONED_KEEP + 1):  # each resume at step 1 forks: step_2 is moved aside
+        run_cli("sft", *args, "--max-steps", "2", "--resume", "1")
+    assert len(list((out / "checkpoints" / ABANDONED_DIR).iterdir())) == ABANDONED_KEEP
