@@ -164,8 +164,7 @@ class CkptConfig:
     save_final: bool = True
     """Save the state after the last step."""
     verify: bool = True
-    """Check every file of a checkpoint against its recorded checksum before resuming from it;
-    `--resume latest` falls back to the newest checkpoint that verifies."""
+    """Check a checkpoint's files against their checksums before resuming (latest falls back)."""
 
 
 @dataclass_json
@@ -197,10 +196,9 @@ class WandbConfig:
     name: str = ""
     """W&B run name; empty lets W&B choose."""
     timeout_s: float = 60.0
-    """A W&B call (init, log) still running after this many seconds disables W&B; at the end of
-    a run, the queued rows get this long in all."""
+    """A W&B init or log still running after this many seconds disables W&B (also rows at exit)."""
     finish_timeout_s: float = 10.0
-    """At the end of a run, W&B's finish (its last upload) gets this long, then is left behind."""
+    """At the end of a run, W&B's finish gets this many seconds, then is left behind."""
 
 
 @dataclass_json
@@ -219,8 +217,7 @@ class RuntimeConfig:
     preempt_exit_code: int = 143
     """Exit status after SIGTERM or SIGUSR1: the step is checkpointed and the run stops there."""
     preempt_grace_s: float = 30.0
-    """After SIGTERM or SIGUSR1, the step must end within this many seconds (or before a second
-    signal); else the run exits at once with preempt_exit_code, leaving the last checkpoint."""
+    """Seconds a step may take to end after SIGTERM/SIGUSR1; then, or on a 2nd signal, it exits."""
 
 
 @dataclass_json
