@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from fnt.cli import exit_on_bad_input, parse_config
 from fnt.config import Config, RLConfig
+from fnt.config.schema import DTYPE_NAMES
 from fnt.preflight import check_inputs
 from fnt.rundir import rank0_run_lock
 
@@ -29,11 +31,24 @@ commands:
   rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
   export           write a checkpoint as a Hugging Face model directory
   make-tiny-model  write a tiny Hugging Face model for tests and demos
+  show-data        print SFT samples, trained tokens marked: fnt show-data --config FILE [--n 3]
   inspect          summarize a run directory: fnt inspect RUN [--json] [--diff OTHER_RUN]
   plot             plot runs' metrics as one PNG: fnt plot RUN [RUN...] [--out FILE.png]
 
 `fnt sft --help` and `fnt rl --help` list the config keys; the other commands take --help too.
+`fnt --version` prints the version.
 Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
+
+
+def version() -> str:
+    """fnt's installed version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("fnt")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def train_sft(config: Config) -> None:
@@ -75,10 +90,9 @@ def rl(argv: list[str]) -> None:
 
 
 def export(argv: list[str]) -> None:
-    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]`."""
-    from fnt.export import export_hf_
-    from fnt.model import DTYPES
-
+    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]`.
+    Torch is imported after the arguments are parsed, so `--help` and a bad argument answer at
+    once."""
     parser = argparse.ArgumentParser(
         prog="fnt export", description="Export a checkpoint as a Hugging Face model directory."
     )
@@ -86,8 +100,10 @@ def export(argv: list[str]) -> None:
         "--checkpoint", type=Path, required=True, help="a complete step_N directory"
     )
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="cast the weights")
     args = parser.parse_args(argv)
+    from fnt.export import export_hf_
+
     out = export_hf_(args.checkpoint, args.out, args.dtype)
     print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(out), "dtype": args.dtype}))
 
@@ -96,6 +112,12 @@ def make_tiny_model(argv: list[str]) -> None:
     from fnt import tiny_model
 
     tiny_model.main(argv)
+
+
+def show_data(argv: list[str]) -> None:
+    from fnt.show_data import main
+
+    main(argv)
 
 
 def inspect_run(argv: list[str]) -> None:
@@ -115,16 +137,34 @@ COMMANDS = {
     "rl": rl,
     "export": export,
     "make-tiny-model": make_tiny_model,
+    "show-data": show_data,
     "inspect": inspect_run,
     "plot": plot,
 }
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the command named by argv[0] (default: sys.argv[1:]); exit 2 on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Run the command named by argv[0] (default: sys.argv[1:]); exit 2 on bad input.
+
+    Output piped into a reader that stops early (`fnt sft --help | head`) ends quietly: what the
+    reader did not take is not wanted, so the broken pipe is no error worth a traceback."""
+    try:
+        try:
+            run_command(sys.argv[1:] if argv is None else argv)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Later writes (at exit) must not meet the closed pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def run_command(argv: list[str]) -> None:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
+        sys.exit(0)
+    if argv and argv[0] == "--version":
+        print(f"fnt {version()}")
         sys.exit(0)
     if not argv or argv[0] not in COMMANDS:
         unknown = f"\nerror: unknown command {argv[0]!r}" if argv else ""

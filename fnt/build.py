@@ -22,6 +22,7 @@ from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
 from fnt.config import Config, RLConfig
 from fnt.model import load_model
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
+from fnt.progress import say
 from fnt.rundir import ckpt_root
 from fnt.runtime import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
@@ -58,8 +59,16 @@ def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
 
         tokenizer = load_tokenizer(config.model.name)
         data = load_source_data(
-            config.data, tokenizer, seed=config.seed, seq_len=config.seq_len, **layout
+            config.data,
+            tokenizer,
+            seed=config.seed,
+            seq_len=config.seq_len,
+            progress=runtime.is_main,
+            **layout,
         )
+        if runtime.is_main:
+            for note in data.corpus.notes:
+                print(note, flush=True)
         return {"data": data}
     raise ValueError(f"unknown data.kind {config.data.kind!r}")
 
@@ -92,9 +101,12 @@ def init_state(config: Config, runtime: Runtime) -> TrainState:
     from fnt.evaluation import load_eval_data
 
     # The data first: a bad file or prompt should fail before the model is loaded.
+    say(runtime.is_main, "reading the data")
     sources = source_handles(config, runtime)
     val = load_eval_data(config)
+    say(runtime.is_main, f"loading the model {config.model.name}")
     model = load_model(config.model, runtime, runtime.offload)
+    say(runtime.is_main, f"building the optimizer ({config.optim.name})")
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
     ref_model = reference_model(config, runtime)

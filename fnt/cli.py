@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fnt.config import CliArgs, Config, help_text, load_config, to_json, validate
+from fnt.config import CliArgs, Config, RLConfig, help_text, load_config, to_json, validate
 from fnt.errors import CheckpointError, ConfigError, DataError
 
 EXIT_BAD_INPUT = 2
@@ -59,6 +59,7 @@ def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
     with exit_on_bad_input():
         config, cli = load_config(argv, cls)
         if cli.help_config:
+            print(help_header(cls))
             print(help_text(cls))
             sys.exit(0)
         validate(config, int(os.environ.get("WORLD_SIZE", 1)))
@@ -66,6 +67,22 @@ def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
             print(to_json(config))
             sys.exit(0)
     return config, model_name_source(cli, config.model.name)
+
+
+def help_header(cls: type) -> str:
+    """The usage lines above the key list of `fnt sft --help` / `fnt rl --help`. Pure."""
+    command = "fnt rl" if issubclass(cls, RLConfig) else "fnt sft"
+    return f"""\
+usage: {command} [--config FILE.toml] [--KEY VALUE | --KEY=VALUE]... [--print-config] [--help]
+
+  --config FILE.toml  read keys from a TOML file; the command line overrides them
+  --print-config      print the resolved config as JSON and exit
+  --help, --help-config
+                      print this list and exit
+
+Every config key is an option (`--optim.lr 1e-4`; `-` or `_` alike; a bare boolean key sets
+it to true). Keys:
+"""
 
 
 def model_name_source(cli: CliArgs, name: str) -> str:

@@ -29,6 +29,18 @@ def jsonl_records(
             if not line.strip():
                 continue
             try:
-                yield line_number, json.loads(line.decode("utf-8"))
-            except ValueError as e:  # bad JSON and bad UTF-8 both subclass ValueError
-                raise DataError(f"{path}, line {line_number}: {e}") from e
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {line_number}: not UTF-8 text ({e.reason})") from e
+            try:
+                yield line_number, json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {line_number}: {json_problem(e)}") from e
+
+
+def json_problem(error: json.JSONDecodeError) -> str:
+    """`invalid JSON at column C: reason` for an error in one line of JSONL. Pure.
+
+    json's own message counts lines and columns in the string it was given, which for a JSONL
+    line reads as a second, contradictory line number ("line 3: ... line 1 column 5")."""
+    return f"invalid JSON at column {error.pos + 1}: {error.msg}"

@@ -18,7 +18,7 @@ from fnt.config import Config
 from fnt.faults import fault_point
 from fnt.rows import RowBuilder
 from fnt.run_context import RunContext
-from fnt.rundir import ckpt_root, prune_steps_
+from fnt.rundir import ckpt_root, complete_steps, list_step_dirs, prune_steps_, step_name
 from fnt.sources import BatchSource
 from fnt.start import start_state
 from fnt.state import TrainState
@@ -84,7 +84,14 @@ def run(
             started = time.perf_counter()
         if ctx.runtime.is_main and rows.save_seconds:  # no row follows the last save
             print(f"saved step_{state.progress.step} in {rows.save_seconds:.2f} s", flush=True)
+        ctx.finish(newest_checkpoint(state))
         return state
+
+
+def newest_checkpoint(state: TrainState) -> Optional[str]:
+    """The name of the newest complete checkpoint of the run, if any."""
+    steps = complete_steps(list_step_dirs(ckpt_root(state.config.output_dir)))
+    return step_name(steps[-1]) if steps else None
 
 
 def seconds_of(action: Callable[[TrainState], Any], state: TrainState) -> float:

@@ -21,6 +21,7 @@ from typing import Any, Collection, Iterator, Mapping, Optional
 
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
+from fnt.jsonl import json_problem
 from fnt.metrics import finite_or_none
 from fnt.rundir import (
     METRICS_FILE,
@@ -109,7 +110,7 @@ def parse_row(line: str) -> tuple[Optional[dict], str]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        return None, f"invalid JSON at column {exc.colno}: {exc.msg}"
+        return None, json_problem(exc)
     step = row.get("step") if isinstance(row, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         return None, "not an object with an integer step >= 1"
@@ -448,14 +449,14 @@ def format_duration(seconds: float) -> str:
 
 
 def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
-    """`step 3/5 | loss 2.1 | lr 1e-03 | 512 tok/s | 0.25 s/step | eta 0:00:01`. Pure."""
+    """`step 3/5 | loss 2.1000 | reward 0.512 | grad 0.83 | lr 1.00e-03 | val/loss 2.3000 |
+    512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has it. Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
-    loss = row.get("loss/mean")
-    if isinstance(loss, float):
-        parts.append(f"loss {loss:.4f}" if math.isfinite(loss) else f"loss {loss}")
-    if "optim/lr" in row:
-        parts.append(f"lr {row['optim/lr']:.2e}")
+    for key, label, spec in CONSOLE_FIELDS:
+        value = row.get(key)
+        if isinstance(value, float):
+            parts.append(f"{label} {_number(value, spec)}")
     if "perf/throughput" in row:
         parts.append(f"{row['perf/throughput']:.0f} tok/s")
     if "time/step" in row:
@@ -464,6 +465,28 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
     eta = elapsed / steps_done * remaining if steps_done else 0.0
     parts.append(f"eta {format_duration(eta)}")
     return " | ".join(parts)
+
+
+def _number(value: float, spec: str) -> str:
+    """`value` in `spec`, or in 3 significant digits where `spec` would show a small non-zero
+    value as 0 (an RL loss of -3e-7 is not "-0.0000")."""
+    if not math.isfinite(value):
+        return str(value)
+    text = f"{value:{spec}}"
+    if value != 0 and float(text) == 0:
+        return f"{value:.2e}"
+    return text
+
+
+# The metrics a step's console line shows, in order: (row key, label, format).
+CONSOLE_FIELDS = (
+    ("loss/mean", "loss", ".4f"),
+    ("reward/mean", "reward", ".3f"),
+    ("optim/grad_norm", "grad", ".3g"),
+    ("optim/lr", "lr", ".2e"),
+    ("val/loss", "val/loss", ".4f"),
+    ("val/reward/mean", "val/reward", ".3f"),
+)
 
 
 class ConsoleMonitor:

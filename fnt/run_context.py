@@ -29,6 +29,7 @@ from fnt.collectives import all_reduce_max
 from fnt.config import Config, to_json
 from fnt.monitors import open_monitors
 from fnt.profiler import save_trace_, start_trace
+from fnt.progress import end_summary
 from fnt.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock
 from fnt.runtime import Runtime, setup_trainer, teardown_trainer
 from fnt.state import TrainState
@@ -179,6 +180,9 @@ class RunContext:
         self.monitors: Any = None
         self.profiler: Any = None
         self.start_step = 0
+        self.first_row: Optional[Mapping[str, Any]] = None  # for the end summary
+        self.last_row: Optional[Mapping[str, Any]] = None
+        self.started = time.perf_counter()
 
     def __enter__(self) -> RunContext:
         stack, config = self.stack, self.config
@@ -217,6 +221,15 @@ class RunContext:
         """Write a step's row to every monitor (rank 0; metrics.jsonl first)."""
         if self.monitors is not None:
             self.monitors.log(row)
+            self.first_row = self.first_row or row
+            self.last_row = row
+
+    def finish(self, checkpoint: Optional[str]) -> None:
+        """Print the end summary (rank 0): the steps run, how the loss (and reward) went, the
+        newest checkpoint."""
+        if self.runtime.is_main:
+            seconds = time.perf_counter() - self.started
+            print(end_summary(self.first_row, self.last_row, seconds, checkpoint), flush=True)
 
     def preempted(self) -> bool:
         """Whether any rank has received a preemption signal (all ranks agree); the step has

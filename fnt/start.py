@@ -16,6 +16,7 @@ from fnt.build import init_state, restore_
 from fnt.checkpoint import checkpoint_problems, read_saved_config
 from fnt.config import Config, ConfigError, to_plain
 from fnt.errors import CheckpointError
+from fnt.progress import say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.rundir import (
     ROLLOUTS_DIR,
@@ -68,7 +69,39 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
             prune_abandoned_(directory)
         # Also finishes a keep_last delete that a kill interrupted.
         prune_steps_(root, config.ckpt.keep_last)
+        for line in start_summary_of(state):
+            say(True, line)
     return state
+
+
+def start_summary_of(state: TrainState) -> list[str]:
+    """fnt.progress.start_summary of a start state: its model's parameters, its data sources'
+    samples and tokens (for `data.sources`), its steps."""
+    config, model = state.config, state.handles.model
+    data = state.handles.components().get("data")
+    corpus = getattr(data, "corpus", None)
+    sources = []
+    if corpus is not None:
+        first = 0
+        for name, size in zip(corpus.source_names, corpus.source_sizes):
+            ids = range(first, first + size)
+            sources.append(
+                {
+                    "name": name,
+                    "samples": size,
+                    "dropped": sum(corpus.fates[i].dropped for i in ids),
+                    "tokens": sum(corpus.length(i) for i in ids),
+                }
+            )
+            first += size
+    return start_summary(
+        parameters=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        start_step=state.progress.step,
+        max_steps=config.max_steps,
+        tokens_per_step=config.batch_size * config.seq_len,
+        sources=sources,
+    )
 
 
 def verified_resume_step(

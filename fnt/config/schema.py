@@ -17,9 +17,13 @@ import types
 import typing
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args
 
 from dataclasses_json import dataclass_json
+
+DtypeName = Literal["float32", "bfloat16"]
+"""The dtypes a model's parameters or compute can have (fnt.model.DTYPES maps them to torch's)."""
+DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 
 
 @dataclass_json
@@ -29,9 +33,9 @@ class ModelConfig:
 
     name: str = ""
     """Local directory of a Hugging Face causal LM, loaded with from_pretrained."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: DtypeName = "float32"
     """Dtype of the model's parameters (and of compute, unless compute_dtype is lower)."""
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: DtypeName = "float32"
     """Dtype of compute; bfloat16 with float32 parameters keeps float32 masters and checkpoints."""
     ac: bool = False
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
@@ -122,8 +126,8 @@ class DataConfig:
     """synthetic: counting sequences (debugging); sources: data.sources ("jsonl", the old name)."""
     sources: tuple[DataSourceConfig, ...] = ()
     """Sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}, {dataset = "org/name"}]."""
-    overlong: Literal["truncate", "drop", "error"] = "truncate"
-    """What to do with a sample longer than seq_len."""
+    overlong: Literal["auto", "truncate", "drop", "error"] = "auto"
+    """Samples over seq_len: auto drops chats and truncates prompt/completion; or one for all."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (a pure function of seed and epoch)."""
     loss_mask: tuple[str, ...] = ("assistant",)

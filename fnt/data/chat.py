@@ -121,15 +121,23 @@ def tools_from_record(record: Mapping[str, Any]) -> list | None:
 
 
 def check_message_list(messages: object) -> None:
-    """ValueError unless `messages` is a non-empty list of {"role": str, "content": str}."""
+    """ValueError unless `messages` is a non-empty list of {"role": str, "content": str}; as in
+    OpenAI's format, a message with `tool_calls` may have a null (or no) content."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"messages[{i}] needs a string {key!r}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        content = message.get("content")
+        if not (isinstance(content, str) or (content is None and _calls_tools(message))):
+            raise ValueError(f"messages[{i}] needs a string 'content'")
+
+
+def _calls_tools(message: Message) -> bool:
+    calls = message.get("tool_calls")
+    return isinstance(calls, list) and bool(calls)
 
 
 def _checked_messages(messages: object) -> list[Message]:
@@ -138,7 +146,64 @@ def _checked_messages(messages: object) -> list[Message]:
         # The template cannot render an empty prompt, so the assistant header could not be told
         # apart from the answer and would be trained on.
         raise ValueError("messages[0] must not be an assistant message")
-    return messages
+    # A tool call's null content is rendered as no text (templates and the masking want text).
+    return [
+        {**message, "content": ""} if message.get("content") is None else message
+        for message in messages
+    ]
+
+
+def without_untrained_tail(
+    messages: Sequence[Message], roles: frozenset[str]
+) -> tuple[list[Message], int]:
+    """The messages up to the last one of a trained role, and how many were cut after it (a
+    trailing user turn, say: nothing trains on it, and it would sit after the answer). Pure."""
+    last = max((i for i, m in enumerate(messages) if m["role"] in roles), default=len(messages) - 1)
+    return list(messages[: last + 1]), len(messages) - last - 1
+
+
+def unrendered_tool_parts(
+    messages: Sequence[Message], tools: list | None, rendered: str
+) -> list[str]:
+    """The tools and tool calls of a chat whose function name the rendered chat does not show:
+    a template that ignores `tools` or `tool_calls` would train the turn without them. Pure."""
+    missing = []
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls") or []:
+            name = _function_name(call)
+            if name and name not in rendered:
+                missing.append(f"messages[{i}].tool_calls ({name!r})")
+    for tool in tools or []:
+        name = _function_name(tool)
+        if name and name not in rendered:
+            missing.append(f"tools ({name!r})")
+    return missing
+
+
+def _function_name(entry: object) -> str | None:
+    """The function name of an OpenAI-style tool or tool call ({"function": {"name": ...}})."""
+    if not isinstance(entry, dict):
+        return None
+    function = entry.get("function")
+    name = function.get("name") if isinstance(function, dict) else entry.get("name")
+    return name if isinstance(name, str) else None
+
+
+def check_tools_rendered(
+    messages: Sequence[Message], tokenizer, masking: ChatMasking, tools: list | None
+) -> None:
+    """ValueError naming the tools and tool calls the chat template drops from this chat."""
+    if not tools and not any(_calls_tools(m) for m in messages):
+        return
+    template = masking.chat_template or tokenizer.chat_template
+    rendered = apply_template(tokenizer, messages, tools, template, tokenize=False)
+    missing = unrendered_tool_parts(messages, tools, rendered)
+    if missing:
+        raise ValueError(
+            f"the chat template does not render {', '.join(missing)}: the sample would train "
+            "without them. Use a template that renders tools (data.chat_template), or leave "
+            "them out of the data"
+        )
 
 
 def apply_template(tokenizer, messages: Sequence[Message], tools, template: str, **options):

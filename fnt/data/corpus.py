@@ -19,7 +19,15 @@ from typing import Iterable, Sequence
 import torch
 from torch import Tensor
 
-OVERLONG_POLICIES = ("truncate", "drop", "error")
+OVERLONG_POLICIES = ("auto", "truncate", "drop", "error")
+
+
+def overlong_policy(policy: str, *, chat: bool) -> str:
+    """The policy for one record: "auto" drops an over-long chat (cutting one from the end loses
+    its last answers, or all of them) and truncates a prompt/completion pair. Pure."""
+    if policy == "auto":
+        return "drop" if chat else "truncate"
+    return policy
 
 
 class SampleFate(enum.IntEnum):
@@ -29,9 +37,9 @@ class SampleFate(enum.IntEnum):
     TRUNCATED = 1
     """Longer than seq_len: its first seq_len tokens are kept."""
     DROPPED_OVERLONG = 2
-    """Longer than seq_len under the 'drop' policy."""
+    """Longer than seq_len, under the 'drop' policy, or truncated to no target token at all."""
     DROPPED_NO_LOSS = 3
-    """No target token left (e.g. all were truncated away)."""
+    """No target token even at full length (a chat without a trained turn)."""
 
     @property
     def dropped(self) -> bool:
@@ -45,8 +53,10 @@ def fit_to_length(
 
     A document's first token has no predecessor to be predicted from, so its target flag is
     cleared here, once, for every sample. ValueError for an over-long sample under 'error'.
+    `overlong` is a record's policy ("auto" resolved: `overlong_policy`); a sample that
+    truncation leaves without a target counts as over-long, since its length is what lost it.
     """
-    if overlong not in OVERLONG_POLICIES:
+    if overlong not in OVERLONG_POLICIES[1:]:
         raise ValueError(f"data.overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     fate = SampleFate.KEPT
     if len(input_ids) > seq_len:
@@ -61,7 +71,8 @@ def fit_to_length(
     kept_ids = list(input_ids[:seq_len])
     kept_targets = [False, *targets[1:seq_len]] if kept_ids else []
     if not any(kept_targets):
-        return [], [], SampleFate.DROPPED_NO_LOSS
+        lost = fate == SampleFate.TRUNCATED and any(targets[1:])
+        return [], [], SampleFate.DROPPED_OVERLONG if lost else SampleFate.DROPPED_NO_LOSS
     return kept_ids, kept_targets, fate
 
 
@@ -77,6 +88,8 @@ class Corpus:
     offsets: tuple[int, ...]
     """Sample i's tokens are input_ids[offsets[i]:offsets[i + 1]]."""
     fates: tuple[SampleFate, ...]
+    notes: tuple[str, ...] = ()
+    """What a reader of the data should know (one line each), printed at the start by rank 0."""
 
     @staticmethod
     def build(

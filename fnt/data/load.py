@@ -25,6 +25,7 @@ The source's column names then map a record to the keys fnt.data.chat reads (`ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol, Sequence
@@ -37,13 +38,22 @@ from fnt.config.schema import (
 )
 from fnt.data.chat import (
     ChatMasking,
+    check_tools_rendered,
     conversation_from_record,
     tokenize_conversation,
     tools_from_record,
+    without_untrained_tail,
 )
-from fnt.data.corpus import OVERLONG_POLICIES, Corpus, SampleFate, fit_to_length
+from fnt.data.corpus import (
+    OVERLONG_POLICIES,
+    Corpus,
+    SampleFate,
+    fit_to_length,
+    overlong_policy,
+)
 from fnt.errors import DataError
 from fnt.jsonl import jsonl_records
+from fnt.progress import with_progress
 from fnt.tokenizer import stop_token_ids
 
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
@@ -68,10 +78,11 @@ def load_corpus(
     seq_len: int,
     overlong: str,
     masking: ChatMasking | None = None,
+    progress: bool = False,
 ) -> Corpus:
     """Every source tokenized (a record may give several samples, see fnt.data.chat) and fitted
     to seq_len under the overlong policy; `masking` defaults to the assistant turns with the
-    model's stop tokens."""
+    model's stop tokens; `progress` shows the reading's progress (fnt.progress; rank 0)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if overlong not in OVERLONG_POLICIES:
@@ -91,10 +102,19 @@ def load_corpus(
         raise ValueError(
             f"data source names must be unique (they key metrics); repeated: {repeated}"
         )
+    trailing: dict[str, list[str]] = {name: [] for name in names}
     corpus = Corpus.build(
         (
             name,
-            _fitted_samples(source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking),
+            _fitted_samples(
+                source,
+                tokenizer,
+                seq_len=seq_len,
+                overlong=overlong,
+                masking=masking,
+                trailing=trailing[name],
+                progress=progress,
+            ),
         )
         for name, source in zip(names, sources)
     )
@@ -109,28 +129,72 @@ def load_corpus(
                 f"{fates.count(SampleFate.DROPPED_NO_LOSS)} without target tokens)"
             )
         first_id += size
-    return corpus
+    notes = tuple(
+        f"{source_label(source)}: {len(cut)} chats end with turns that data.loss_mask does not "
+        f"train (the first at {cut[0]}); those turns were left out"
+        for source, cut in zip(sources, trailing.values())
+        if cut
+    )
+    return dataclasses.replace(corpus, notes=notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedRecord:
+    """One record as the trainer sees it (`fit_record`)."""
+
+    messages: list  # the chat, its untrained trailing turns cut
+    samples: list[tuple[list[int], list[bool], SampleFate]]  # fit_to_length's, per sample
+    cut_turns: int  # trailing turns no role of the loss mask trains, left out
+
+
+def fit_record(
+    record: object,
+    source: DataSource,
+    tokenizer,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+) -> FittedRecord:
+    """A record's chat, its samples (tokens, targets, fate) and what was cut; ValueError saying
+    what is wrong with a bad record."""
+    chat = chat_record(record, source)
+    messages, cut = without_untrained_tail(conversation_from_record(chat), masking.roles)
+    tools = tools_from_record(chat)
+    check_tools_rendered(messages, tokenizer, masking, tools)
+    samples = tokenize_conversation(messages, tokenizer, masking, tools=tools)
+    policy = overlong_policy(overlong, chat=isinstance(chat, dict) and "messages" in chat)
+    fitted = [
+        fit_to_length(ids, targets, seq_len=seq_len, overlong=policy) for ids, targets in samples
+    ]
+    return FittedRecord(messages, fitted, cut)
 
 
 def _fitted_samples(
-    source: DataSource, tokenizer, *, seq_len: int, overlong: str, masking: ChatMasking
+    source: DataSource,
+    tokenizer,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+    trailing: list[str],
+    progress: bool,
 ) -> Iterator[tuple[list[int], list[bool], SampleFate]]:
+    """The source's samples, fitted to seq_len; the locations of chats whose untrained last
+    turns were cut are appended to `trailing`. `progress` shows a bar (fnt.progress)."""
     found = False
-    for location, record in source_records(source):
+    records = with_progress(source_records(source), f"tokenizing {source_label(source)}", progress)
+    for location, record in records:
         found = True
         try:
-            chat = chat_record(record, source)
-            messages = conversation_from_record(chat)
-            samples = tokenize_conversation(
-                messages, tokenizer, masking, tools=tools_from_record(chat)
+            fitted = fit_record(
+                record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
             )
-            fitted = [
-                fit_to_length(ids, targets, seq_len=seq_len, overlong=overlong)
-                for ids, targets in samples
-            ]
         except ValueError as e:
             raise DataError(f"{location}: {e}") from e
-        yield from fitted
+        if fitted.cut_turns:
+            trailing.append(location)
+        yield from fitted.samples
     if not found:
         kind = source_kind(source)
         empty = f"the {kind} has no rows"

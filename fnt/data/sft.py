@@ -81,8 +81,10 @@ def load_source_data(
     micro_batch_size: int,
     dp_rank: int,
     dp_size: int,
+    progress: bool = False,
 ) -> SourceData:
-    """Read and tokenize the sources; the batch layout is checked before any file is read."""
+    """Read and tokenize the sources; the batch layout is checked before any file is read.
+    `progress` shows the tokenization's progress (fnt.progress; rank 0)."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     pad = pad_token_id(tokenizer)
     corpus = load_corpus(
@@ -91,6 +93,7 @@ def load_source_data(
         seq_len=seq_len,
         overlong=data_cfg.overlong,
         masking=chat_masking(data_cfg, tokenizer),
+        progress=progress,
     )
     order = SampleOrder(
         source_sizes=corpus.source_sizes,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, config_args, read_metrics, run_script
+from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_script
 
 SFT = "examples/debug/sft.toml"
 
@@ -108,7 +108,7 @@ def _bad_inputs(tiny_model_dir, tmp_path):
         ),
         "data line not JSON": (
             sft(tiny_model_dir, *jsonl(not_json)),
-            f"error: {not_json}, line 2: Expecting property name",
+            f"error: {not_json}, line 2: invalid JSON at column 2: Expecting property name",
         ),
         "bad first record": (
             sft(tiny_model_dir, *jsonl(no_completion)),
@@ -172,3 +172,51 @@ def test_the_installed_console_script_lists_the_commands():
         assert f"\n  {command} " in proc.stdout
     bare = subprocess.run([fnt], capture_output=True, text=True, timeout=30)
     assert bare.returncode == 2 and "make-tiny-model" in bare.stderr
+
+
+def test_sft_help_starts_with_a_usage_line_naming_config_print_config_and_help():
+    proc = run_cli("sft", "--help")
+    assert proc.returncode == 0
+    first, *rest = proc.stdout.splitlines()
+    assert first.startswith("usage: fnt sft [--config FILE.toml]")
+    for flag in ("--config FILE.toml", "--print-config", "--help, --help-config"):
+        assert any(line.strip().startswith(flag) for line in rest), flag
+    assert "--optim.lr (float" in proc.stdout
+    assert run_cli("rl", "--help").stdout.startswith("usage: fnt rl ")
+
+
+def test_fnt_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fnt {version('fnt')}"
+
+
+def test_help_into_a_closed_pipe_ends_without_a_traceback():
+    """`fnt sft --help | head` when head has stopped reading: exit 1, nothing on stderr."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "fnt", "sft", "--help"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    child.stdout.close()  # the reader is gone before the first line
+    stderr = child.stderr.read().decode()
+    child.wait(timeout=60)
+    assert child.returncode == 1 and stderr == "", stderr
+
+
+def test_export_help_answers_without_importing_torch():
+    code = (
+        "import sys\n"
+        "from fnt.__main__ import main\n"
+        "try:\n"
+        "    main(['export', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith("usage: fnt export")
+    assert done.stdout.splitlines()[-1] == "False"

@@ -228,6 +228,28 @@ def test_console_line_fields():
     assert parts[-1] == "eta 00:00:00" or parts[-1] == "eta 0:00:00"
 
 
+def test_console_line_shows_reward_grad_norm_and_validation_when_the_row_has_them():
+    row = {
+        "step": 4,
+        "loss/mean": -3e-7,
+        "reward/mean": 0.5123,
+        "optim/grad_norm": 0.8312,
+        "optim/lr": 1e-3,
+        "val/loss": 2.3,
+        "val/reward/mean": 0.25,
+    }
+    parts = console_line(row, max_steps=8, elapsed=1.0, steps_done=4).split(" | ")
+    assert parts[:7] == [
+        "step 4/8",
+        "loss -3.00e-07",  # not -0.0000
+        "reward 0.512",
+        "grad 0.831",
+        "lr 1.00e-03",
+        "val/loss 2.3000",
+        "val/reward 0.250",
+    ]
+
+
 def test_console_line_non_finite_loss_and_missing_fields():
     line = console_line(
         {"step": 1, "loss/mean": float("nan")}, max_steps=2, elapsed=0.0, steps_done=0

@@ -81,13 +81,13 @@ def overlong_file(tmp_path: Path) -> Path:
     )
 
 
-def test_truncate_keeps_the_first_seq_len_tokens_and_drops_samples_left_without_targets(
+def test_truncate_keeps_the_first_seq_len_tokens_and_counts_samples_it_empties_as_over_long(
     tmp_path, tokenizer
 ):
     corpus = load_corpus(
         [source(overlong_file(tmp_path))], tokenizer, seq_len=64, overlong="truncate"
     )
-    assert corpus.fates == (SampleFate.KEPT, SampleFate.DROPPED_NO_LOSS, SampleFate.TRUNCATED)
+    assert corpus.fates == (SampleFate.KEPT, SampleFate.DROPPED_OVERLONG, SampleFate.TRUNCATED)
     assert [corpus.length(i) for i in range(3)] == [corpus.length(0), 0, 64]
     ids, targets = corpus.tokens(2)
     assert tokenizer.decode(ids).startswith(
@@ -110,6 +110,27 @@ def test_error_names_the_file_and_line_of_the_first_over_long_sample(tmp_path, t
     path = overlong_file(tmp_path)
     with pytest.raises(DataError, match=re.escape(f"{path}, line 2: sample has") + ".*seq_len=64"):
         load_corpus([source(path)], tokenizer, seq_len=64, overlong="error")
+
+
+def test_auto_drops_an_over_long_chat_and_truncates_an_over_long_prompt_completion(
+    tmp_path, tokenizer
+):
+    chat = {
+        "messages": [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "a"}]
+    }
+    pair = {"prompt": "p", "completion": "y" * 100}
+    path = write(tmp_path / "both.jsonl", [GOOD, json.dumps(chat), json.dumps(pair)])
+    corpus = load_corpus([source(path)], tokenizer, seq_len=64, overlong="auto")
+    assert corpus.fates == (SampleFate.KEPT, SampleFate.DROPPED_OVERLONG, SampleFate.TRUNCATED)
+
+
+def test_chats_truncated_to_nothing_are_counted_as_over_long_in_the_error(tmp_path, tokenizer):
+    """The issue's message said "(0 over-long, 168 without target tokens)" when every chat was
+    over-long and truncation had cut off every answer."""
+    long_prompt = json.dumps({"prompt": "x" * 100, "completion": "c"})
+    path = write(tmp_path / "long.jsonl", [long_prompt] * 3)
+    with pytest.raises(DataError, match=re.escape("(3 over-long, 0 without target tokens)")):
+        load_corpus([source(path)], tokenizer, seq_len=64, overlong="truncate")
 
 
 def test_a_source_without_any_usable_sample_is_an_error(tmp_path, tokenizer):

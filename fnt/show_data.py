@@ -1,0 +1,108 @@
+"""`fnt show-data --config cfg.toml [--n 3] [--key=value]...`: the first samples of the SFT data
+as the trainer sees them, with the tokens it trains on marked. Side effects: reads the data and
+the tokenizer, prints.
+
+Each sample is the text of its tokens, decoded run by run: context as it is, trained tokens
+between `[[` and `]]` (or in green on a terminal), after a header with its source location,
+its token counts (all, trained, context), its fate (kept, truncated, dropped) and the roles of
+the chat's messages. The samples go through the same code as training (fnt.data.load.fit_record:
+the template, the loss mask, cut trailing turns, seq_len and data.overlong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from typing import Iterator, Sequence
+
+GREEN, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def marked_text(pieces: Sequence[tuple[str, bool]], color: bool) -> str:
+    """The pieces' text, trained pieces between `[[` and `]]` (green with `color`). Pure."""
+    start, end = (GREEN, RESET) if color else ("[[", "]]")
+    return "".join(f"{start}{text}{end}" if trained else text for text, trained in pieces)
+
+
+def runs(ids: Sequence[int], targets: Sequence[bool]) -> Iterator[tuple[list[int], bool]]:
+    """The tokens cut into runs of equal target flags, in order. Pure."""
+    run: list[int] = []
+    for i, (token, target) in enumerate(zip(ids, targets)):
+        if run and target != targets[i - 1]:
+            yield run, bool(targets[i - 1])
+            run = []
+        run.append(token)
+    if run:
+        yield run, bool(targets[len(ids) - 1])
+
+
+def sample_header(location: str, ids: Sequence[int], targets: Sequence[bool], fate, roles) -> str:
+    """`train.jsonl, line 1: 42 tokens (6 trained, 36 context), kept; messages: 1 user, ...`."""
+    trained = sum(map(bool, targets))
+    counts = ", ".join(f"{n} {role}" for role, n in roles.items())
+    return (
+        f"== {location}: {len(ids)} tokens ({trained} trained, {len(ids) - trained} context), "
+        f"{fate.name.lower()}; messages: {counts}"
+    )
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="fnt show-data",
+        description="Print the first SFT samples as the trainer sees them, trained tokens marked.",
+        epilog="Other options are config keys, as for `fnt sft` (e.g. --seq-len 512).",
+    )
+    parser.add_argument("--n", type=int, default=3, help="how many samples to show (default 3)")
+    parser.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="green trained tokens instead of [[...]] (auto: on a terminal)",
+    )
+    args, rest = parser.parse_known_args(argv)
+    from fnt.cli import parse_config
+    from fnt.config import ConfigError
+
+    config, _ = parse_config(rest)
+    if config.data.kind != "sources":
+        raise ConfigError(
+            f"data.kind = {config.data.kind!r}: show-data shows data.sources (data.kind = "
+            '"sources")'
+        )
+    show(config, args.n, args.color == "always" or (args.color == "auto" and sys.stdout.isatty()))
+
+
+def show(config, n: int, color: bool) -> None:
+    """Print the first `n` samples of the config's data sources, in source order."""
+    from fnt.data.load import fit_record, source_records
+    from fnt.data.sft import chat_masking
+    from fnt.errors import DataError
+    from fnt.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model.name)
+    masking = chat_masking(config.data, tokenizer)
+    shown = 0
+    for source in config.data.sources:
+        for location, record in source_records(source):
+            try:
+                fitted = fit_record(
+                    record,
+                    source,
+                    tokenizer,
+                    seq_len=config.seq_len,
+                    overlong=config.data.overlong,
+                    masking=masking,
+                )
+            except ValueError as e:
+                raise DataError(f"{location}: {e}") from e
+            roles = Counter(message["role"] for message in fitted.messages)
+            for ids, targets, fate in fitted.samples:
+                header = sample_header(location, ids, targets, fate, roles)
+                cut = f" ({fitted.cut_turns} trailing turns left out)" if fitted.cut_turns else ""
+                print(header + cut)
+                pieces = [(tokenizer.decode(run), trained) for run, trained in runs(ids, targets)]
+                print(marked_text(pieces, color) if ids else "(dropped: no tokens left)")
+                shown += 1
+                if shown >= n:
+                    return

@@ -1,0 +1,118 @@
+"""What a user sees on the console: the start-up phases from the first second, a bar while data
+is tokenized (only on a terminal), the start-up summary, step lines with grad norm (and reward
+in RL, val/* when evaluated), the end summary; no bar control characters off a terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+from tests.e2e.helpers import REPO, config_args, run_cli
+
+PHASES = ("reading the data", "loading the model", "building the optimizer")
+
+
+def run_in_a_terminal(args: list[str], timeout: float = 180) -> str:
+    """`python -m fnt ARGS` with stdout and stderr on a pseudo-terminal; everything it printed."""
+    leader, follower = pty.openpty()
+    # A terminal of 40 x 120 characters (a new pseudo-terminal is 0 x 0, where a bar is empty).
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "fnt", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+    )
+    os.close(follower)
+    chunks = []
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], timeout)
+            assert ready, "the run printed nothing for too long"
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the follower side closed: the run is over
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(leader)
+        child.wait(timeout=60)
+    assert child.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def sources_args(path: Path) -> tuple[str, ...]:
+    return ("--data.kind", "sources", "--data.sources", json.dumps([{"path": str(path)}]))
+
+
+def write_chats(path: Path, n: int = 40) -> Path:
+    record = {"prompt": "count to three", "completion": "1 2 3"}
+    path.write_text("".join(json.dumps(record) + "\n" for _ in range(n)))
+    return path
+
+
+def lines_of(text: str) -> list[str]:
+    return [line.strip() for line in text.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def assert_start_and_end(lines: list[str], steps: int) -> None:
+    """The phases in order, each `[  1.2 s] ...`, before the first step; the summaries."""
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    found = [
+        next(i for i, line in enumerate(lines) if line.startswith("[") and phase in line)
+        for phase in PHASES
+    ]
+    assert found == sorted(found) and found[-1] < first_step, lines
+    assert any("parameters: " in line and "trainable)" in line for line in lines), lines
+    assert any(f"steps: {steps} (to step {steps})" in line for line in lines), lines
+    assert lines[-1].startswith(f"done: steps 1..{steps} in "), lines[-3:]
+    assert f"checkpoint step_{steps}" in lines[-1]
+
+
+def test_an_sft_run_on_a_terminal_shows_phases_a_bar_summaries_and_grad_norm(
+    tiny_model_dir, tmp_path
+):
+    data = write_chats(tmp_path / "train.jsonl")
+    args = config_args("examples/debug/sft.toml", tiny_model_dir, tmp_path / "run")
+    extra = ("--max-steps", "2", "--val.sources", json.dumps([{"path": str(data)}]))
+    text = run_in_a_terminal(["sft", *args, *sources_args(data), *extra, "--val.interval", "1"])
+    lines = lines_of(text)
+    assert "\r" in text and "records/s" in text  # tqdm's bar, redrawn in place
+    assert any("data train: 40 samples" in line for line in lines), lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2 and all(" | grad " in s and " | val/loss " in s for s in steps), steps
+    assert_start_and_end(lines, 2)
+
+
+def test_an_rl_run_on_a_terminal_shows_the_reward_and_the_validation_reward(
+    tiny_model_dir, tmp_path
+):
+    args = config_args("examples/debug/rl.toml", tiny_model_dir, tmp_path / "run")
+    val = ("--val.prompts", "examples/debug/prompts.jsonl", "--val.interval", "2")
+    lines = lines_of(run_in_a_terminal(["rl", *args, "--max-steps", "2", *val]))
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 2 and all(" | reward " in s and " | grad " in s for s in steps), steps
+    assert " | val/reward " in steps[1] and " | val/reward " not in steps[0]
+    assert_start_and_end(lines, 2)
+
+
+def test_off_a_terminal_the_console_has_plain_lines_only(tiny_model_dir, tmp_path):
+    data = write_chats(tmp_path / "train.jsonl")
+    args = config_args("examples/debug/sft.toml", tiny_model_dir, tmp_path / "run")
+    proc = run_cli("sft", *args, *sources_args(data), "--max-steps", "2")
+    assert "\r" not in proc.stdout and "\x1b[" not in proc.stdout
+    lines = lines_of(proc.stdout)
+    assert any("tokenizing " in line and "40 records in" in line for line in lines), lines
+    assert_start_and_end(lines, 2)
