@@ -4,7 +4,9 @@ Side effects: `plot_runs` writes a PNG; `main` reads run directories (through
 `fnt.runview.read_run`) and prints. `series`, `smooth` and `panel_keys` are pure.
 
 One panel per metric key, step on the x axis, one line per run, labelled with the run
-directory's name and drawn in the same colour in every panel. A null value (how metrics.jsonl
+directory's name and drawn in the same colour in every panel; a validation key is drawn dashed
+in the panel of the training key it mirrors (val/loss with loss/mean), and by default a key
+whose value never changes gets no panel. A null value (how metrics.jsonl
 writes NaN) is a gap in the line, never a zero; a row without the key is skipped, so a metric
 logged every few steps is still one line. matplotlib is an optional extra
 (`pip install 'fnt[plot]'`), imported only to draw, and drawn on the Agg canvas, so no display
@@ -50,14 +52,38 @@ def smooth(values: Sequence[Optional[float]], n: int) -> list[Optional[float]]:
     return out
 
 
+# A validation key shares the panel of the training key it mirrors (drawn dashed).
+SHARED_PANELS = {"val/loss": "loss/mean", "val/reward/mean": "reward/mean"}
+
+
+def panels(keys: Sequence[str]) -> list[list[str]]:
+    """The panels for `keys`, in order: each key its own, except a validation key whose
+    training key is drawn too, which joins that panel (SHARED_PANELS). Pure."""
+    grouped: dict[str, list[str]] = {}
+    for key in keys:
+        home = SHARED_PANELS.get(key)
+        grouped.setdefault(home if home in keys else key, []).append(key)
+    return list(grouped.values())
+
+
+def is_constant(runs: Sequence[RunView], key: str) -> bool:
+    """Whether `key` has one value in every row of every run that has it (a flat line tells
+    nothing: a constant learning rate, a metric that is always 0). Pure."""
+    values = {row[key] for run in runs for row in run.rows if row.get(key) is not None}
+    return len(values) <= 1
+
+
 def panel_keys(runs: Sequence[RunView], asked: Optional[Sequence[str]]) -> list[str]:
-    """The keys that get a panel: `asked`, or the default keys present in any run. Pure."""
+    """The keys that get drawn: `asked`, or the default keys present in any run whose values
+    are not constant. Pure."""
     present = {key for run in runs for row in run.rows for key in row}
     listing = ", ".join(sorted(present - {"step", "time"})) or "none"
     if asked is None:
-        keys = default_keys(present)
+        keys = [key for key in default_keys(present) if not is_constant(runs, key)]
         if not keys:
-            raise DataError(f"no run has any of the default keys; --keys takes: {listing}")
+            raise DataError(
+                f"no run has any of the default keys with changing values; --keys takes: {listing}"
+            )
         return keys
     missing = [key for key in asked if key not in present]
     if missing:
@@ -73,36 +99,43 @@ def plot_runs(
     smooth_rows: int = 1,
     log_keys: Collection[str] = (),
 ) -> Any:
-    """Write the PNG: a panel per key, a line per run; returns the matplotlib Figure."""
+    """Write the PNG: a panel per key (a validation key in its training key's panel, dashed:
+    `panels`), a line per run; returns the matplotlib Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    columns = min(len(keys), MAX_COLUMNS)
-    rows = math.ceil(len(keys) / columns)
+    groups = panels(keys)
+    columns = min(len(groups), MAX_COLUMNS)
+    rows = math.ceil(len(groups) / columns)
     figure = Figure(
         figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), dpi=DPI, layout="constrained"
     )
     FigureCanvasAgg(figure)
     handles = {}
-    for index, key in enumerate(keys):
+    for index, group in enumerate(groups):
         axes = figure.add_subplot(rows, columns, index + 1)
-        for number, run in enumerate(runs):
-            steps, values = series(run.rows, key)
-            if not steps:
-                continue
-            # NaN is where matplotlib breaks a line.
-            y = [math.nan if v is None else v for v in smooth(values, smooth_rows)]
-            (line,) = axes.plot(steps, y, color=f"C{number}", linewidth=1.5)
-            handles.setdefault(number, line)
+        for style, key in zip(("-", "--"), group):
+            for number, run in enumerate(runs):
+                steps, values = series(run.rows, key)
+                if not steps:
+                    continue
+                # NaN is where matplotlib breaks a line.
+                y = [math.nan if v is None else v for v in smooth(values, smooth_rows)]
+                (line,) = axes.plot(steps, y, style, color=f"C{number}", linewidth=1.5)
+                if style == "-":
+                    handles.setdefault(number, line)
+        title = " and ".join(
+            f"{key} (dashed)" if style == "--" else key for style, key in zip(("-", "--"), group)
+        )
         axes.set_title(
-            key if smooth_rows == 1 else f"{key}, mean of {smooth_rows} rows", fontsize=10
+            title if smooth_rows == 1 else f"{title}, mean of {smooth_rows} rows", fontsize=10
         )
         axes.set_xlabel("step", fontsize=9)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.tick_params(labelsize=8)
         axes.grid(alpha=0.3)
-        if key in log_keys:
+        if any(key in log_keys for key in group):
             axes.set_yscale("log")
     # One legend for the figure: a run keeps its colour in every panel.
     figure.legend(

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from matplotlib.image import imread
 
 from fnt.__main__ import main
-from fnt.plot import DPI, PANEL_SIZE, plot_runs, series, smooth
+from fnt.plot import DPI, PANEL_SIZE, panel_keys, panels, plot_runs, series, smooth
 from fnt.runview import read_run
 
 # The colours of the first two runs' lines (matplotlib's C0 and C1), as 8-bit RGB.
@@ -56,10 +56,10 @@ def test_plot_of_two_runs_writes_a_panel_per_present_key(two_runs, tmp_path, cap
 
     main(["plot", *map(str, two_runs), "--out", str(out), "--smooth", "3", "--log", "optim/lr"])
 
-    # The four default SFT keys and val/loss; no RL key is present, so none gets a panel.
-    assert capsys.readouterr().out == f"wrote {out}: 5 panels, 2 runs\n"
+    # The four default SFT keys, val/loss in the loss panel; no RL key is present.
+    assert capsys.readouterr().out == f"wrote {out}: 4 panels, 2 runs\n"
     image = imread(out)
-    columns, rows = 2, 3
+    columns, rows = 2, 2
     assert image.shape[:2] == (rows * PANEL_SIZE[1] * DPI, columns * PANEL_SIZE[0] * DPI)
     pixels = (image[..., :3] * 255).round().astype(int).reshape(-1, 3)
     assert len(np.unique(pixels, axis=0)) > 1
@@ -75,13 +75,31 @@ def test_plot_runs_returns_its_figure_with_the_panels_asked_for(two_runs, tmp_pa
     )
 
     axes = figure.axes
-    assert [a.get_title() for a in axes] == ["loss/mean", "optim/lr", "val/loss"]
-    assert [a.get_yscale() for a in axes] == ["linear", "log", "linear"]
-    assert [len(a.get_lines()) for a in axes] == [2, 2, 1]  # only run_b has val/loss
+    assert [a.get_title() for a in axes] == ["loss/mean and val/loss (dashed)", "optim/lr"]
+    assert [a.get_yscale() for a in axes] == ["linear", "log"]
+    assert [len(a.get_lines()) for a in axes] == [3, 2]  # only run_b has val/loss
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["run_a", "run_b"]
     loss_a = axes[0].get_lines()[0].get_ydata()
     assert np.isnan(loss_a[6:8]).all() and not np.isnan(loss_a[:6]).any()  # nulls are gaps
-    assert list(axes[2].get_lines()[0].get_xdata()) == [10, 20, 30]  # one line, not dots
+    val = axes[0].get_lines()[2]
+    assert val.get_linestyle() == "--" and list(val.get_xdata()) == [10, 20, 30]
+
+
+def test_a_constant_key_gets_no_panel_by_default(two_runs, tmp_path):
+    runs = [read_run(path) for path in two_runs]
+    for run in runs:
+        for row in run.rows:
+            row["optim/grad_norm"] = 1.0
+    assert "optim/grad_norm" not in panel_keys(runs, None)
+    assert panel_keys(runs, ["optim/grad_norm"]) == ["optim/grad_norm"]  # asked for: drawn
+
+
+def test_panels_put_a_validation_key_with_its_training_key():
+    assert panels(["loss/mean", "optim/lr", "val/loss", "val/reward/mean"]) == [
+        ["loss/mean", "val/loss"],
+        ["optim/lr"],
+        ["val/reward/mean"],
+    ]
 
 
 def test_series_keeps_nulls_and_skips_rows_without_the_key():
