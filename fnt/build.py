@@ -28,11 +28,12 @@ from fnt.runtime import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
 
 
-def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
+def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
     """What the configured batch source reads from, built once: the RL rollout engine (the
     external reader, or the in-process engine when rollout.prompts names a file), the tokenized
     corpus of data.sources or the synthetic rows; nothing for RL batches the caller makes
-    itself."""
+    itself. `announce` shows the tokenization's progress and the data's notes (the driver's
+    rank 0; a research loop stays quiet)."""
     if isinstance(config, RLConfig):
         if not config.rollout.prompts and config.rollout.engine == "in_process":
             return {}
@@ -63,10 +64,10 @@ def source_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
             tokenizer,
             seed=config.seed,
             seq_len=config.seq_len,
-            progress=runtime.is_main,
+            progress=announce,
             **layout,
         )
-        if runtime.is_main:
+        if announce:
             for note in data.corpus.notes:
                 print(note, flush=True)
         return {"data": data}
@@ -94,19 +95,20 @@ def reference_model(config: Config, runtime: Runtime) -> Any:
     return model.eval().requires_grad_(False)
 
 
-def init_state(config: Config, runtime: Runtime) -> TrainState:
+def init_state(config: Config, runtime: Runtime, announce: bool = False) -> TrainState:
     """A fresh TrainState at step 0: the model from `config.model.name`, its optimizer, the
     source's handles (and the RL reference model, `reference_model`) and `Progress()`. Reads no
-    checkpoint and refuses nothing."""
+    checkpoint and refuses nothing. `announce` prints each phase as it starts (fnt.progress;
+    the driver passes it on rank 0)."""
     from fnt.evaluation import load_eval_data
 
     # The data first: a bad file or prompt should fail before the model is loaded.
-    say(runtime.is_main, "reading the data")
-    sources = source_handles(config, runtime)
+    say(announce, "reading the data")
+    sources = source_handles(config, runtime, announce)
     val = load_eval_data(config)
-    say(runtime.is_main, f"loading the model {config.model.name}")
+    say(announce, f"loading the model {config.model.name}")
     model = load_model(config.model, runtime, runtime.offload)
-    say(runtime.is_main, f"building the optimizer ({config.optim.name})")
+    say(announce, f"building the optimizer ({config.optim.name})")
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
     ref_model = reference_model(config, runtime)

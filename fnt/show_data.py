@@ -52,6 +52,7 @@ def main(argv: list[str]) -> None:
         prog="fnt show-data",
         description="Print the first SFT samples as the trainer sees them, trained tokens marked.",
         epilog="Other options are config keys, as for `fnt sft` (e.g. --seq-len 512).",
+        allow_abbrev=False,  # the rest are config keys, never abbreviations of these two
     )
     parser.add_argument("--n", type=int, default=3, help="how many samples to show (default 3)")
     parser.add_argument(

@@ -56,7 +56,7 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
         refuse_stale_rl_files(Path(config.output_dir))
     else:
         reconcile_with_checkpoint(config, step_dir(root, resume_step), runtime.is_main)
-    state = init_state(config, runtime)
+    state = init_state(config, runtime, announce=runtime.is_main)
     if resume_step is not None:
         state = restore_(state, step_dir(root, resume_step))
     if runtime.is_main:
