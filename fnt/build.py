@@ -65,6 +65,7 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
             seed=config.seed,
             seq_len=config.seq_len,
             progress=announce,
+            cache=data_cache(config, runtime),
             **layout,
         )
         if announce:
@@ -72,6 +73,23 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
                 print(note, flush=True)
         return {"data": data}
     raise ValueError(f"unknown data.kind {config.data.kind!r}")
+
+
+def data_cache(config: Config, runtime: Runtime):
+    """The cache of tokenized sources (fnt.data.cache): data.cache_dir, or the run's own
+    data_cache/; its work split over the ranks, with the process group's barrier."""
+    import torch.distributed as dist
+
+    from fnt.data.cache import DataCache
+    from fnt.rundir import DATA_CACHE_DIR
+
+    directory = Path(config.data.cache_dir or Path(config.output_dir) / DATA_CACHE_DIR)
+    return DataCache(
+        directory,
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        barrier=dist.barrier if runtime.distributed else (lambda: None),
+    )
 
 
 def reference_model(config: Config, runtime: Runtime) -> Any:

@@ -119,6 +119,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "data.train_turns": FIXED,  # how many samples a chat gives
     "data.train_reasoning": FIXED,  # which tokens are targets
     "data.chat_template": FIXED,  # the tokens of every sample
+    "data.cache_dir": MAY_CHANGE,  # where tokenized data is kept, not what it is
     "val.sources": MAY_CHANGE,  # validation reads, never trains
     "val.prompts": MAY_CHANGE,
     "val.interval": MAY_CHANGE,

@@ -12,6 +12,7 @@ nothing heavy, so the command line, preflight and `fnt inspect` use it before (o
   wandb_run_id           the W&B run this directory logs to, when W&B is on
   wandb_logged           the last step W&B took (a resume sends it the rows it lacks)
   run.lock               held (flock) by the run using the directory
+  data_cache/            tokenized data sources, reused by a resume (unless data.cache_dir)
   checkpoints/step_N/    complete checkpoints; step_N.partial/ while one is written
       progress.json  meta.json  config.json  components/  DCP shards  checksums.json
       COMPLETE
@@ -48,6 +49,7 @@ METRICS_FILE = "metrics.jsonl"
 METRICS_MISSING_FILE = "metrics_missing.json"
 WANDB_ID_FILE = "wandb_run_id"
 WANDB_LOGGED_FILE = "wandb_logged"
+DATA_CACHE_DIR = "data_cache"
 LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"

@@ -138,6 +138,8 @@ class DataConfig:
     """Train an assistant turn's reasoning (reasoning_content or a leading <think> block)."""
     chat_template: str = ""
     """Chat template replacing the model's: a file path or the template text (empty: keep it)."""
+    cache_dir: str = ""
+    """Where tokenized sources are kept for later runs (empty: {output_dir}/data_cache)."""
 
 
 @dataclass_json

@@ -123,6 +123,33 @@ class Corpus:
             fates=tuple(fates),
         )
 
+    @staticmethod
+    def from_parts(
+        parts: Sequence[tuple[str, array, array, Sequence[int], Sequence[int]]],
+    ) -> Corpus:
+        """A corpus from each source's samples back to back: (name, ids, targets, per-sample
+        lengths, per-sample SampleFate values), as fnt.data.cache keeps them."""
+        ids, targets = array("q"), array("b")
+        offsets, fates, names, sizes = [0], [], [], []
+        for name, part_ids, part_targets, lengths, part_fates in parts:
+            if len(part_ids) != len(part_targets) or sum(lengths) != len(part_ids):
+                raise ValueError("a sample needs one target flag per token")
+            names.append(name)
+            sizes.append(len(lengths))
+            ids.extend(part_ids)
+            targets.extend(part_targets)
+            for length in lengths:
+                offsets.append(offsets[-1] + length)
+            fates.extend(SampleFate(f) for f in part_fates)
+        return Corpus(
+            source_names=tuple(names),
+            source_sizes=tuple(sizes),
+            input_ids=_to_tensor(ids, torch.int64),
+            target_mask=_to_tensor(targets, torch.int8).bool(),
+            offsets=tuple(offsets),
+            fates=tuple(fates),
+        )
+
     @property
     def num_samples(self) -> int:
         return len(self.fates)

@@ -36,6 +36,7 @@ from fnt.config.schema import (
     source_kind,
     source_name,
 )
+from fnt.data.cache import DataCache, SourceSamples, cache_key
 from fnt.data.chat import (
     ChatMasking,
     check_tools_rendered,
@@ -53,7 +54,7 @@ from fnt.data.corpus import (
 )
 from fnt.errors import DataError
 from fnt.jsonl import jsonl_records
-from fnt.progress import with_progress
+from fnt.progress import say, with_progress
 from fnt.tokenizer import stop_token_ids
 
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
@@ -79,10 +80,12 @@ def load_corpus(
     overlong: str,
     masking: ChatMasking | None = None,
     progress: bool = False,
+    cache: DataCache | None = None,
 ) -> Corpus:
     """Every source tokenized (a record may give several samples, see fnt.data.chat) and fitted
     to seq_len under the overlong policy; `masking` defaults to the assistant turns with the
-    model's stop tokens; `progress` shows the reading's progress (fnt.progress; rank 0)."""
+    model's stop tokens; `progress` shows the reading's progress (fnt.progress; rank 0);
+    `cache` keeps and reuses the tokenized sources (fnt.data.cache)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if overlong not in OVERLONG_POLICIES:
@@ -102,21 +105,26 @@ def load_corpus(
         raise ValueError(
             f"data source names must be unique (they key metrics); repeated: {repeated}"
         )
-    trailing: dict[str, list[str]] = {name: [] for name in names}
-    corpus = Corpus.build(
+    parts = [
         (
             name,
-            _fitted_samples(
+            source_samples(
                 source,
                 tokenizer,
                 seq_len=seq_len,
                 overlong=overlong,
                 masking=masking,
-                trailing=trailing[name],
                 progress=progress,
+                cache=cache,
             ),
         )
         for name, source in zip(names, sources)
+    ]
+    corpus = Corpus.from_parts(
+        [
+            (name, samples.ids, samples.targets, samples.lengths, samples.fates)
+            for name, samples in parts
+        ]
     )
     first_id = 0
     for source, size in zip(sources, corpus.source_sizes):
@@ -130,12 +138,128 @@ def load_corpus(
             )
         first_id += size
     notes = tuple(
-        f"{source_label(source)}: {len(cut)} chats end with turns that data.loss_mask does not "
-        f"train (the first at {cut[0]}); those turns were left out"
-        for source, cut in zip(sources, trailing.values())
-        if cut
+        f"{source_label(source)}: {len(samples.trailing)} chats end with turns that "
+        f"data.loss_mask does not train (the first at {samples.trailing[0][1]}); those turns "
+        "were left out"
+        for source, (_, samples) in zip(sources, parts)
+        if samples.trailing
     )
     return dataclasses.replace(corpus, notes=notes)
+
+
+def source_samples(
+    source: DataSource,
+    tokenizer,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+    progress: bool,
+    cache: DataCache | None,
+) -> SourceSamples:
+    """A source's fitted samples: from `cache` when it holds them (else tokenized, split over
+    the cache's ranks, and kept there), or tokenized here without a cache. Every record is
+    first checked in a quick pass that does not tokenize (`check_records`), so a bad line is
+    reported as soon as it is read."""
+
+    def tokenize(rank: int, world_size: int) -> SourceSamples:
+        check_records(source, progress)
+        return tokenize_share(
+            source,
+            tokenizer,
+            seq_len=seq_len,
+            overlong=overlong,
+            masking=masking,
+            rank=rank,
+            world_size=world_size,
+            progress=progress,
+        )
+
+    if cache is None:
+        samples = tokenize(0, 1)
+        if samples.error is not None:
+            raise DataError(samples.error[1])
+        return samples
+    settings = {
+        "template": masking.chat_template or tokenizer.chat_template,
+        "loss_mask": sorted(masking.roles),
+        "turns": masking.turns,
+        "reasoning": masking.reasoning,
+        "stop_ids": sorted(masking.stop_ids),
+        "seq_len": seq_len,
+        "overlong": overlong,
+    }
+    key = cache_key(source, source_files(source), tokenizer, settings)
+    hit = (cache.directory / f"{key}.pt").is_file()
+    samples = cache.load(key, tokenize)
+    if hit:
+        say(progress, f"{source_label(source)}: tokenized samples from the cache {cache.directory}")
+    return samples
+
+
+def check_records(source: DataSource, progress: bool) -> None:
+    """Read every record of a source and check its shape, without tokenizing: DataError with
+    the location of the first bad one, or of an empty source."""
+    found = False
+    records = with_progress(source_records(source), f"checking {source_label(source)}", progress)
+    for location, record in records:
+        found = True
+        try:
+            conversation_from_record(chat_record(record, source))
+        except ValueError as e:
+            raise DataError(f"{location}: {e}") from e
+    if not found:
+        kind = source_kind(source)
+        empty = f"the {kind} has no rows"
+        if kind == "jsonl":
+            empty = "the file is empty (no JSONL records)"
+        raise DataError(f"{source_label(source)}: {empty}")
+
+
+def tokenize_share(
+    source: DataSource,
+    tokenizer,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+    rank: int,
+    world_size: int,
+    progress: bool,
+) -> SourceSamples:
+    """The fitted samples of every world_size-th record of a source, from record `rank` on; the
+    first bad record stops it and is kept as the share's error (with its location)."""
+    share = SourceSamples()
+    split = f" (every {world_size}th record on each rank)" if world_size > 1 else ""
+    label = f"tokenizing {source_label(source)}{split}"
+    records = with_progress(source_records(source), label, progress)
+    for index, (location, record) in enumerate(records):
+        if index % world_size != rank:
+            continue
+        try:
+            fitted = fit_record(
+                record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
+            )
+        except ValueError as e:
+            share.error = (index, f"{location}: {e}")
+            break
+        if fitted.cut_turns:
+            share.trailing.append((index, location))
+        for ids, targets, fate in fitted.samples:
+            share.add(index, ids, targets, fate)
+    return share
+
+
+def source_files(source: DataSource) -> list[Path]:
+    """The files a source reads, in order (none for a dataset, which `datasets` reads)."""
+    kind = source_kind(source)
+    if kind == "dataset":
+        return []
+    if kind == "directory":
+        return directory_files(Path(source.path))
+    if kind == "glob":
+        return glob_files(source.path)
+    return [Path(source.path)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,39 +292,6 @@ def fit_record(
         fit_to_length(ids, targets, seq_len=seq_len, overlong=policy) for ids, targets in samples
     ]
     return FittedRecord(messages, fitted, cut)
-
-
-def _fitted_samples(
-    source: DataSource,
-    tokenizer,
-    *,
-    seq_len: int,
-    overlong: str,
-    masking: ChatMasking,
-    trailing: list[str],
-    progress: bool,
-) -> Iterator[tuple[list[int], list[bool], SampleFate]]:
-    """The source's samples, fitted to seq_len; the locations of chats whose untrained last
-    turns were cut are appended to `trailing`. `progress` shows a bar (fnt.progress)."""
-    found = False
-    records = with_progress(source_records(source), f"tokenizing {source_label(source)}", progress)
-    for location, record in records:
-        found = True
-        try:
-            fitted = fit_record(
-                record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
-            )
-        except ValueError as e:
-            raise DataError(f"{location}: {e}") from e
-        if fitted.cut_turns:
-            trailing.append(location)
-        yield from fitted.samples
-    if not found:
-        kind = source_kind(source)
-        empty = f"the {kind} has no rows"
-        if kind == "jsonl":
-            empty = "the file is empty (no JSONL records)"
-        raise DataError(f"{source_label(source)}: {empty}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from fnt.batch import SftBatch
+from fnt.data.cache import DataCache
 from fnt.data.corpus import Corpus
 from fnt.data.load import DataSource, load_corpus
 from fnt.data.order import SampleOrder
@@ -82,9 +83,11 @@ def load_source_data(
     dp_rank: int,
     dp_size: int,
     progress: bool = False,
+    cache: DataCache | None = None,
 ) -> SourceData:
     """Read and tokenize the sources; the batch layout is checked before any file is read.
-    `progress` shows the tokenization's progress (fnt.progress; rank 0)."""
+    `progress` shows the tokenization's progress (fnt.progress; rank 0); `cache` keeps and
+    reuses the tokenized sources (fnt.data.cache)."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     pad = pad_token_id(tokenizer)
     corpus = load_corpus(
@@ -94,6 +97,7 @@ def load_source_data(
         overlong=data_cfg.overlong,
         masking=chat_masking(data_cfg, tokenizer),
         progress=progress,
+        cache=cache,
     )
     order = SampleOrder(
         source_sizes=corpus.source_sizes,
