@@ -96,32 +96,18 @@ class Corpus:
         sources: Iterable[tuple[str, Iterable[tuple[Sequence[int], Sequence[bool], SampleFate]]]],
     ) -> Corpus:
         """A corpus from (source name, fitted samples) pairs; samples come from fit_to_length."""
-        names: list[str] = []
-        sizes: list[int] = []
-        ids = array("q")
-        targets = array("b")
-        offsets = [0]
-        fates: list[SampleFate] = []
+        parts = []
         for name, samples in sources:
-            names.append(name)
-            size = 0
+            ids, targets, lengths, fates = array("q"), array("b"), [], []
             for sample_ids, sample_targets, fate in samples:
                 if len(sample_ids) != len(sample_targets):
                     raise ValueError("a sample needs one target flag per token")
                 ids.extend(sample_ids)
                 targets.extend(sample_targets)
-                offsets.append(len(ids))
+                lengths.append(len(sample_ids))
                 fates.append(fate)
-                size += 1
-            sizes.append(size)
-        return Corpus(
-            source_names=tuple(names),
-            source_sizes=tuple(sizes),
-            input_ids=_to_tensor(ids, torch.int64),
-            target_mask=_to_tensor(targets, torch.int8).bool(),
-            offsets=tuple(offsets),
-            fates=tuple(fates),
-        )
+            parts.append((name, ids, targets, lengths, fates))
+        return Corpus.from_parts(parts)
 
     @staticmethod
     def from_parts(
