@@ -27,14 +27,13 @@ def with_progress(records: Iterable, label: str, enabled: bool) -> Iterator:
     if not enabled:
         yield from records
         return
-    started, count = time.perf_counter(), 0
     if sys.stdout.isatty():
         from tqdm import tqdm
 
         with tqdm(records, desc=label, unit=" records", file=sys.stdout, leave=True) as bar:
-            for count, record in enumerate(bar, 1):
-                yield record
+            yield from bar
         return
+    started, count = time.perf_counter(), 0
     for count, record in enumerate(records, 1):
         yield record
     seconds = time.perf_counter() - started
