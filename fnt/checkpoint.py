@@ -23,6 +23,7 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,7 +31,7 @@ import shutil
 import warnings
 from functools import partial as bind
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,86 +94,70 @@ def save_checkpoint_(
     """
     final = step_dir(ckpt_root, progress.step)
     partial = partial_dir(final)
-    try:
-        _write_checkpoint(
-            final,
-            partial,
-            progress,
-            model,
-            optimizer,
-            model_name,
-            rank,
-            distributed,
-            config,
-            components,
-        )
-    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        full = disk_full_error(exc, final)
-        if full is None:
-            raise
-        raise full from exc
+    with full_disk_named(final):
+        if rank == 0:
+            begin_dir_(final)
+        _barrier(distributed)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to save in a single process"
+            )
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd},
+                checkpoint_id=str(partial),
+                no_dist=not distributed,
+            )
+        fault_point("shards", progress.step, rank)
+        _barrier(distributed)
+        # Hashed now, while the shards are in the page cache: each rank hashes a share.
+        world_size = dist.get_world_size() if distributed else 1
+        shards = rank_share(checkpoint_files(partial), rank, world_size)
+        shard_digests = all_gather_objects(digests(partial, shards), distributed)
+        if rank == 0:
+            write_synced_(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
+            write_synced_(
+                partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)})
+            )
+            if config is not None:
+                write_synced_(partial / CONFIG_FILE, to_json(config) + "\n")
+            for name, state in components.items():
+                if state:
+                    (partial / COMPONENTS_DIR).mkdir(exist_ok=True)
+                    torch.save(dict(state), partial / COMPONENTS_DIR / f"{name}.pt")
+            recorded = {name: d for share in shard_digests for name, d in share.items()}
+            rest = [name for name in checkpoint_files(partial) if name not in recorded]
+            write_checksums_(partial, {**recorded, **digests(partial, rest)})
+            # A step_N left by another trajectory is moved aside at the start; should one still be
+            # there (a directory copied in by hand), this save is the one to keep.
+            commit_dir_(
+                partial,
+                final,
+                f"step {progress.step}\n",
+                replace=True,
+                before_rename=bind(fault_point, "marker", progress.step),
+            )
+            fault_point("committed", progress.step)
     _barrier(distributed)
     return final
-
-
-def _write_checkpoint(
-    final: Path,
-    partial: Path,
-    progress: Progress,
-    model: Any,
-    optimizer: Any,
-    model_name: str,
-    rank: int,
-    distributed: bool,
-    config: Optional[Config],
-    components: Mapping[str, Mapping[str, Any]],
-) -> None:
-    if rank == 0:
-        begin_dir_(final)
-    _barrier(distributed)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*assuming the intent is to save in a single process"
-        )
-        dcp.save(
-            {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=str(partial),
-            no_dist=not distributed,
-        )
-    fault_point("shards", progress.step, rank)
-    _barrier(distributed)
-    # Hashed now, while the shards are in the page cache: each rank hashes a share.
-    world_size = dist.get_world_size() if distributed else 1
-    shards = rank_share(checkpoint_files(partial), rank, world_size)
-    shard_digests = all_gather_objects(digests(partial, shards), distributed)
-    if rank == 0:
-        write_synced_(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
-        write_synced_(partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)}))
-        if config is not None:
-            write_synced_(partial / CONFIG_FILE, to_json(config) + "\n")
-        for name, state in components.items():
-            if state:
-                (partial / COMPONENTS_DIR).mkdir(exist_ok=True)
-                torch.save(dict(state), partial / COMPONENTS_DIR / f"{name}.pt")
-        recorded = {name: d for share in shard_digests for name, d in share.items()}
-        rest = [name for name in checkpoint_files(partial) if name not in recorded]
-        write_checksums_(partial, {**recorded, **digests(partial, rest)})
-        # A step_N left by another trajectory is moved aside at the start; should one still be
-        # there (a directory copied in by hand), this save is the one to keep.
-        commit_dir_(
-            partial,
-            final,
-            f"step {progress.step}\n",
-            replace=True,
-            before_rename=bind(fault_point, "marker", progress.step),
-        )
-        fault_point("committed", progress.step)
 
 
 # Below this much free space, a failed save is taken for a full disk whatever the error says
 # (torch's zip writer reports a short write as "unexpected pos", without the errno).
 LOW_DISK_BYTES = 16 << 20
+
+
+@contextlib.contextmanager
+def full_disk_named(final: Path) -> Iterator[None]:
+    """Inside the block, a failure that a full disk caused becomes the CheckpointError of
+    `disk_full_error`; any other passes as it is."""
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        full = disk_full_error(exc, final)
+        if full is None:
+            raise
+        raise full from exc
 
 
 def disk_full_error(exc: BaseException, final: Path) -> Optional[CheckpointError]:
