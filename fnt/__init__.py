@@ -12,6 +12,7 @@ _EXPORTS = {
     # Configuration
     "Config": "fnt.config",
     "RLConfig": "fnt.config",
+    "LoraConfig": "fnt.config",
     "ModelConfig": "fnt.config",
     "DataConfig": "fnt.config",
     "DataSourceConfig": "fnt.config",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
-from fnt.config import Config, RLConfig
+from fnt.config import Config, LoraConfig, RLConfig
 from fnt.model import load_model
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
 from fnt.progress import say
@@ -92,22 +92,27 @@ def data_cache(config: Config, runtime: Runtime):
     )
 
 
-def reference_model(config: Config, runtime: Runtime) -> Any:
+def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
     """The frozen reference policy of an RL run whose loss needs one (loss.ref_kl_tau > 0 with
     loss.ref_source = "model"), else None.
 
-    It is loaded from loss.ref_model (default model.name, the starting policy) and sharded
-    exactly like the policy (FSDP2 under torchrun, the same dtypes and kernel), then frozen: no
-    parameter requires a gradient, it is in no optimizer, and checkpoints do not hold it, so a
-    resumed run rebuilds it from its directory, as an uninterrupted one has it.
+    With LoRA (model.lora.rank > 0) and loss.ref_model empty, it is `policy` itself: the base
+    model is the reference, and steps.rl computes it with the adapters switched off
+    (fnt.lora.adapters_disabled), so no second model is in memory. Otherwise it is loaded from
+    loss.ref_model (default model.name, the starting policy) and sharded exactly like the policy
+    (FSDP2 under torchrun, the same dtypes and kernel), then frozen: no parameter requires a
+    gradient, it is in no optimizer, and checkpoints do not hold it, so a resumed run rebuilds
+    it from its directory, as an uninterrupted one has it.
     """
     if not isinstance(config, RLConfig):
         return None
     loss = config.loss
     if not loss.ref_kl_tau or loss.ref_source != "model":
         return None
+    if config.model.lora.rank and not loss.ref_model:
+        return policy
     ref_config = dataclasses.replace(
-        config.model, name=loss.ref_model or config.model.name, ac=False
+        config.model, name=loss.ref_model or config.model.name, ac=False, lora=LoraConfig()
     )
     model = load_model(ref_config, runtime, runtime.offload)
     return model.eval().requires_grad_(False)
@@ -125,11 +130,11 @@ def init_state(config: Config, runtime: Runtime, announce: bool = False) -> Trai
     sources = source_handles(config, runtime, announce)
     val = load_eval_data(config)
     say(announce, f"loading the model {config.model.name}")
-    model = load_model(config.model, runtime, runtime.offload)
+    model = load_model(config.model, runtime, runtime.offload, seed=config.seed)
     say(announce, f"building the optimizer ({config.optim.name})")
     optimizer = setup_optimizer(config.optim, model)
     apply_compute_dtype_(model, optimizer, runtime.offload)
-    ref_model = reference_model(config, runtime)
+    ref_model = reference_model(config, runtime, model)
     handles = Handles(
         model, optimizer, runtime, StepCursor(0), val=val, ref_model=ref_model, **sources
     )

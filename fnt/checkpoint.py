@@ -1,12 +1,14 @@
 """Checkpoints as transactions. Side effects: file I/O and collectives (DCP).
 
 Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and optimizer
-(`.metadata`, `__*_*.distcp`), `progress.json` (Progress, with the data position), `meta.json`
-(the model directory, for export), `config.json` (the resolved config the checkpoint was written
-with, which a resume reconciles with its own: fnt.resume.reconcile_config), `components/NAME.pt`
-(the state of each source handle that has one, fnt.state.Component: e.g. the policies an async
-rollout engine still samples from), `checksums.json` (the size and xxh3-128 digest of every
-other file, fnt.checksums) and the marker `COMPLETE`.
+(`.metadata`, `__*_*.distcp`; of a LoRA model only the adapters and what else trains, not the
+frozen base), `progress.json` (Progress, with the data position), `meta.json` (the model
+directory, for export, and with LoRA the base's fingerprint: fnt.lora.base_fingerprint),
+`config.json` (the resolved config the checkpoint was written with, which a resume reconciles
+with its own: fnt.resume.reconcile_config), `components/NAME.pt` (the state of each source
+handle that has one, fnt.state.Component: e.g. the policies an async rollout engine still
+samples from), `checksums.json` (the size and xxh3-128 digest of every other file,
+fnt.checksums) and the marker `COMPLETE`.
 
 How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
 barrier, each rank hashes its share of the shards, rank 0 writes `progress.json`, `meta.json`,
@@ -37,7 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from fnt.checksums import (
     checkpoint_files,
@@ -50,6 +56,7 @@ from fnt.collectives import all_gather_objects
 from fnt.config import Config, to_json
 from fnt.errors import CheckpointError
 from fnt.faults import fault_point
+from fnt.lora import base_fingerprint, is_adapted
 from fnt.rundir import (
     COMPLETE_MARKER,
     COMPONENTS_DIR,
@@ -98,7 +105,7 @@ def save_checkpoint_(
         if rank == 0:
             begin_dir_(final)
         _barrier(distributed)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=held_state(model))
         with warnings.catch_warnings():
             warnings.filterwarnings(
                 "ignore", message=".*assuming the intent is to save in a single process"
@@ -116,9 +123,7 @@ def save_checkpoint_(
         shard_digests = all_gather_objects(digests(partial, shards), distributed)
         if rank == 0:
             write_synced_(partial / PROGRESS_FILE, progress.to_json(sort_keys=True))
-            write_synced_(
-                partial / META_FILE, json.dumps({"model_name": os.path.abspath(model_name)})
-            )
+            write_synced_(partial / META_FILE, json.dumps(checkpoint_meta(model, model_name)))
             if config is not None:
                 write_synced_(partial / CONFIG_FILE, to_json(config) + "\n")
             for name, state in components.items():
@@ -209,7 +214,8 @@ def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: boo
     start checks its checksums first, so this is a damage no checksum records)."""
     if not is_complete(path):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} file)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = held_state(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     try:
         with warnings.catch_warnings():
@@ -226,9 +232,29 @@ def load_checkpoint_(path: Path, model: Any, optimizer: Any, *, distributed: boo
             "another step, or with ckpt.verify = true to find the damaged file"
         ) from exc
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
     )
     return progress
+
+
+def held_state(model: Any) -> StateDictOptions:
+    """What a checkpoint holds of `model`: every parameter; or, when some are frozen (the base
+    of a LoRA model), only the trained ones, since the base is read from its own directory at
+    every start (meta.json records its fingerprint, which a resume checks)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def checkpoint_meta(model: Any, model_name: str) -> dict[str, str]:
+    """meta.json: the model directory and, for a LoRA model, the base's fingerprint."""
+    meta = {"model_name": os.path.abspath(model_name)}
+    if is_adapted(model):
+        meta["base_fingerprint"] = base_fingerprint(model_name)
+    return meta
 
 
 def read_components(path: Path, device: torch.device) -> dict[str, dict[str, Any]]:

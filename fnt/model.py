@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
+from fnt.lora import add_adapters_, init_adapters_
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
 from fnt.runtime import Runtime
 from fnt.sharded_load import load_shards_, params_on_meta
@@ -73,20 +74,24 @@ def empty_hf_model(model_config: ModelConfig) -> nn.Module:
 
 
 def load_model(
-    model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD
+    model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD, seed: int = 0
 ) -> nn.Module:
-    """The model for training, with activation checkpointing and FSDP2 as configured.
+    """The model for training, with LoRA adapters, activation checkpointing and FSDP2 as
+    configured.
 
     In one process it is `from_pretrained`. Under torchrun no rank loads the whole model: it is
     built on the meta device, sharded, allocated on the device, and each rank reads its shards
     from the safetensors files (fnt.sharded_load). ``plan`` (from fnt.optim.setup.offload_plan)
     gives the FSDP2 offload and mixed-precision policies (setup_trainer has already bound the
-    process to its GPU's NUMA node when offloading).
+    process to its GPU's NUMA node when offloading). With model.lora.rank > 0 the base is frozen
+    and the adapters (fnt.lora) start from a function of `seed`, on any number of ranks.
     """
     if runtime.distributed:
         model = empty_hf_model(model_config)
     else:
         model = load_hf_model(model_config, runtime.device)
+    if model_config.lora.rank:
+        add_adapters_(model, model_config.lora)
     if model_config.ac:
         # transformers 5 renamed gradient_checkpointing_enable; accept both generations.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -104,6 +109,8 @@ def load_model(
         shard_model_(model, data_parallel_mesh(runtime), plan)
         allocate_sharded_(model, runtime.device, offloaded=plan.offload_policy is not None)
         load_shards_(model, model_config.name)
+    if model_config.lora.rank:
+        init_adapters_(model, seed)
     model.train()
     return model
 

@@ -97,6 +97,11 @@ RESUME_POLICY: dict[str, Policy] = {
     "model.ac": MAY_CHANGE,
     "model.attn_implementation": MAY_CHANGE,
     "model.loss_chunk_tokens": MAY_CHANGE,
+    "model.lora.rank": FIXED,  # the adapters' shapes, and which parameters a checkpoint holds
+    "model.lora.alpha": FIXED,  # scales every adapter's update: another model
+    "model.lora.dropout": MAY_CHANGE,
+    "model.lora.target_modules": FIXED,  # which adapters exist
+    "model.lora.modules_to_save": FIXED,  # which full modules the checkpoint holds
     "optim.name": FIXED,  # the saved optimizer state belongs to the algorithm
     "optim.lr": OPTIMIZER,
     "optim.betas": OPTIMIZER,
@@ -170,6 +175,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.keep_weights": MAY_CHANGE,
     "rollout.on_bad_reward": MAY_CHANGE,
     "rollout.async_level": FIXED,  # which policy sampled each step's rollouts
+    "rollout.publish": MAY_CHANGE,  # how the policy is written for the orchestrator
 }
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Optional, Union
 
 from fnt.build import init_state, restore_
-from fnt.checkpoint import checkpoint_problems, read_saved_config
+from fnt.checkpoint import checkpoint_problems, read_meta, read_saved_config
 from fnt.config import Config, ConfigError, to_plain
 from fnt.errors import CheckpointError
+from fnt.lora import base_fingerprint
 from fnt.progress import say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.rundir import (
@@ -180,6 +181,25 @@ def reconcile_with_checkpoint(config: Config, checkpoint: Path, is_main: bool) -
     if is_main:
         for line in override_lines(decisions):
             print(line, flush=True)
+    refuse_another_base(config, checkpoint)
+
+
+def refuse_another_base(config: Config, checkpoint: Path) -> None:
+    """A LoRA checkpoint holds adapters of one base model, which it does not contain: a
+    ConfigError when model.name now holds another (its fingerprint, fnt.lora.base_fingerprint,
+    differs from the one meta.json recorded), unless resume_force."""
+    recorded = read_meta(checkpoint).get("base_fingerprint")
+    if recorded is None or config.resume_force:
+        return
+    current = base_fingerprint(config.model.name)
+    if current != recorded:
+        raise ConfigError(
+            f"resume: {checkpoint} holds LoRA adapters of the base model in "
+            f"{read_meta(checkpoint)['model_name']} (fingerprint {recorded[:16]}), but "
+            f"'model.name' = {config.model.name!r} now holds another one (its config.json or "
+            f"weights' index differ: fingerprint {current[:16]}). Put the original base back, or "
+            "start a new run (resume_force = true resumes anyway)"
+        )
 
 
 def refuse_stale_checkpoints(root: Path) -> None:

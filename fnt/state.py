@@ -145,7 +145,8 @@ class Handles:
     """RL: where each step's rollouts come from (None for SFT)."""
     ref_model: Optional[nn.Module] = None
     """RL with loss.ref_kl_tau > 0 and ref_source = "model": the frozen reference policy, sharded
-    like the model, without gradients; never in the optimizer or a checkpoint (None otherwise)."""
+    like the model, without gradients; never in the optimizer or a checkpoint (None otherwise).
+    With LoRA it is `model` itself, whose base (adapters off) is the reference."""
     val: Optional[Evaluator] = None
     """The held-out samples and prompts (fnt.evaluation.EvalData); None without [val]."""
 

@@ -16,7 +16,8 @@ number of samples. The LM head computes logp_t (and H_t below) in chunks of
 `model.loss_chunk_tokens` loss tokens, without ever holding the full logits (fnt/lm_head.py).
 The reference policy's logprobs (loss.ref_kl_tau > 0) are the batch's own (external rollouts
 with ref_logprobs, loss.ref_source = "rollouts") or come from the frozen reference model in
-`state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient.
+`state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient;
+with LoRA that model is the policy itself, run with its adapters off (its base).
 
 A step whose every loss token has advantage 0 (every group's rewards were equal, or skipped
 for a bad reward) is skipped on every rank alike when the loss is then exactly 0 in gradient
@@ -57,6 +58,7 @@ from torch import Tensor, nn
 from fnt.batch import RLBatch, RLMicroBatch, to_device
 from fnt.config import RLLossConfig
 from fnt.lm_head import TokenLogprobs, loss_tokens_of
+from fnt.lora import adapters_disabled
 from fnt.runtime import Runtime
 from fnt.state import TrainState
 from fnt.update import (
@@ -169,7 +171,8 @@ def reference_logprobs(
         ref = torch.zeros(mb.rows.input_ids.shape, dtype=torch.float32, device=runtime.device)
         if i < to_run:
             tokens = loss_tokens_of(mb.rows, mb.temperatures)
-            _, logprobs = forward_loss_tokens(ref_model, mb.rows, tokens, chunk_tokens)
+            with adapters_disabled(ref_model):  # a LoRA policy's base is its reference
+                _, logprobs = forward_loss_tokens(ref_model, mb.rows, tokens, chunk_tokens)
             ref[:, 1:][tokens.mask] = logprobs.logp.float()
             if hasattr(ref_model, "reshard"):  # FSDP2 keeps the root unsharded after a forward
                 ref_model.reshard()

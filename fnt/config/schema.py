@@ -28,6 +28,23 @@ DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 
 @dataclass_json
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (PEFT): the base model frozen, low-rank updates of its layers trained."""
+
+    rank: int = 0
+    """Rank of every adapter; 0 trains every parameter of the model (no adapters)."""
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) * B @ A to its layer's weight."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input (seeded per step, so resume stays exact)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or suffixes) that get adapters; "all-linear": every linear but the head."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full and saved with the adapters, e.g. lm_head after adding tokens."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
 class ModelConfig:
     """The model to train: where it is, its dtype and attention kernel."""
 
@@ -43,6 +60,8 @@ class ModelConfig:
     """Attention kernel; flash kernels (CUDA) get document boundaries, sdpa/eager a T x T mask."""
     loss_chunk_tokens: int = 1024
     """Loss tokens per chunk of the LM head's logits in the loss; 0 computes all logits at once."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters; off (every parameter trains) unless lora.rank > 0."""
 
 
 @dataclass_json
@@ -339,6 +358,8 @@ class RolloutConfig:
     """A NaN/inf reward stops the run (error), or its group gets zero advantages (skip)."""
     async_level: int = 0
     """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
+    publish: Literal["auto", "adapter", "merged"] = "auto"
+    """External engine: publish the LoRA adapter or merged weights; auto: adapter with LoRA."""
 
 
 @dataclass_json

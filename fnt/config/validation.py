@@ -82,6 +82,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             "data.loss_mask",
             f"roles must be among {CHAT_ROLES}",
         )
+    validate_lora(config)
     validate_val(config)
     # ep does not change the data-parallel size; setup checks it against the model.
     dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp
@@ -91,9 +92,42 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
         require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
         validate_loss(config)
+        require(
+            config.rollout.publish != "adapter" or config.model.lora.rank > 0,
+            "rollout.publish",
+            "publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use \"auto\"",
+        )
         require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
         if config.rollout.engine == "in_process":
             validate_rollout(config.rollout, dp_size=dp)
+
+
+def validate_lora(config: Config) -> None:
+    """ConfigError unless model.lora is off or can build adapters. Pure."""
+    lora = config.model.lora
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'model.lora.{key}' = {getattr(lora, key)!r}: {message}")
+
+    require(lora.rank >= 0, "rank", "must be >= 0 (0: no adapters, every parameter trains)")
+    if lora.rank == 0:
+        require(not lora.modules_to_save, "modules_to_save", "applies with model.lora.rank > 0")
+        return
+    require(math.isfinite(lora.alpha) and lora.alpha > 0, "alpha", "must be a finite number > 0")
+    require(0 <= lora.dropout < 1, "dropout", "must be in [0, 1)")
+    require(bool(lora.target_modules), "target_modules", 'name modules, or "all-linear"')
+    require(
+        "all-linear" not in lora.target_modules or len(lora.target_modules) == 1,
+        "target_modules",
+        '"all-linear" is a preset: use it alone, or list module names',
+    )
+    require(
+        "lm_head" not in lora.target_modules,
+        "target_modules",
+        "the loss reads the LM head's weight directly, so an adapter there would not train: "
+        'train the head in full with model.lora.modules_to_save = ["lm_head"]',
+    )
 
 
 def validate_loss(config: RLConfig) -> None:
