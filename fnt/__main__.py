@@ -90,7 +90,7 @@ def rl(argv: list[str]) -> None:
 
 
 def export(argv: list[str]) -> None:
-    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16]`.
+    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16] [--merge]`.
     Torch is imported after the arguments are parsed, so `--help` and a bad argument answer at
     once."""
     parser = argparse.ArgumentParser(
@@ -101,11 +101,26 @@ def export(argv: list[str]) -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="cast the weights")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the full model with the adapters merged in, not the "
+        "PEFT adapter directory",
+    )
     args = parser.parse_args(argv)
     from fnt.export import export_hf_
 
-    out = export_hf_(args.checkpoint, args.out, args.dtype)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "out": str(out), "dtype": args.dtype}))
+    out = export_hf_(args.checkpoint, args.out, args.dtype, merge=args.merge)
+    print(
+        json.dumps(
+            {
+                "checkpoint": str(args.checkpoint),
+                "out": str(out),
+                "dtype": args.dtype,
+                "merge": args.merge,
+            }
+        )
+    )
 
 
 def make_tiny_model(argv: list[str]) -> None:

@@ -2,7 +2,11 @@
 
 The exported directory holds the base model's config, its tokenizer and the trained weights as
 safetensors, so `AutoModelForCausalLM.from_pretrained(out)` loads the trained model anywhere.
-Checkpoints saved by any number of ranks load here in one process (DCP reshards on load).
+A LoRA run's checkpoint (adapters only) exports as a PEFT adapter directory (adapter_config.json
+naming the base, adapter_model.safetensors, the tokenizer), which `PeftModel.from_pretrained`
+and vLLM's `--lora-modules` load on the base; with `merge` as a full model with the adapters
+merged into its weights. Checkpoints saved by any number of ranks load here in one process (DCP
+reshards on load).
 """
 
 from __future__ import annotations
@@ -15,31 +19,60 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fnt.checkpoint import read_meta
-from fnt.config import ModelConfig
+from fnt.checkpoint import read_meta, read_saved_config
+from fnt.config import LoraConfig, ModelConfig
+from fnt.errors import CheckpointError
+from fnt.lora import add_adapters_, base_fingerprint, merge_adapters_, save_adapter_
 from fnt.model import DTYPES, load_hf_model
 from fnt.rundir import COMPLETE_MARKER
 from fnt.tokenizer import load_tokenizer
 from fnt.transaction import is_complete
 
 
+def saved_lora(ckpt_dir: Path) -> LoraConfig:
+    """The model.lora a checkpoint was trained with (off for one that records no config)."""
+    saved = read_saved_config(ckpt_dir) or {}
+    lora = saved.get("model", {}).get("lora", {})
+    fields = {key: tuple(v) if isinstance(v, list) else v for key, v in lora.items()}
+    return LoraConfig(**fields)
+
+
+def check_base(ckpt_dir: Path) -> str:
+    """The base model directory of a checkpoint; a CheckpointError when a LoRA checkpoint's base
+    has changed since (fnt.lora.base_fingerprint), so its adapters would adapt another model."""
+    meta = read_meta(ckpt_dir)
+    base, recorded = meta["model_name"], meta.get("base_fingerprint")
+    if recorded is not None and base_fingerprint(base) != recorded:
+        raise CheckpointError(
+            f"{ckpt_dir} holds LoRA adapters of the base model in {base}, which has changed "
+            "since (its config.json or weights' index differ): put the original base back"
+        )
+    return base
+
+
 def load_trained_model(ckpt_dir: Path) -> nn.Module:
-    """The base model architecture with the checkpoint's weights, in float32, on CPU."""
+    """The base model architecture with the checkpoint's weights, in float32, on CPU; for a
+    LoRA checkpoint, the base read from its directory with the trained adapters added."""
     ckpt_dir = Path(ckpt_dir)
     if not is_complete(ckpt_dir):
         raise FileNotFoundError(
             f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE_MARKER} file)"
         )
-    base = read_meta(ckpt_dir)["model_name"]
+    base = check_base(ckpt_dir)
     model = load_hf_model(ModelConfig(name=base, dtype="float32"), torch.device("cpu"))
-    state = {"model": model.state_dict()}
+    lora = saved_lora(ckpt_dir)
+    if lora.rank:
+        add_adapters_(model, lora)
+    # What the checkpoint holds (fnt.checkpoint.held_state): every weight, or the trained ones.
+    held = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {"model": {k: v for k, v in model.state_dict().items() if k in held or not lora.rank}}
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*assuming the intent is to load in a single process"
         )
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
-    model.load_state_dict(state["model"])
-    return model
+    model.load_state_dict(state["model"], strict=not lora.rank)
+    return model.eval()
 
 
 def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
@@ -60,13 +93,28 @@ def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
     return {key: value for key, value in state_dict.items() if key not in later}
 
 
-def export_hf_(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None) -> Path:
-    """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir."""
+def export_hf_(
+    ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None, merge: bool = False
+) -> Path:
+    """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir:
+    a full model, or for a LoRA checkpoint its PEFT adapter directory (`merge`: the full model
+    with the adapters merged in)."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     model = load_trained_model(ckpt_dir)
-    if dtype is not None:
-        model = model.to(DTYPES[dtype])
-    out_dir = Path(out_dir)
+    lora = saved_lora(ckpt_dir)
+    base = read_meta(ckpt_dir)["model_name"]
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(read_meta(Path(ckpt_dir))["model_name"]).save_pretrained(out_dir)
+    cast = DTYPES[dtype] if dtype is not None else None
+    if lora.rank and not merge:
+        adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        save_adapter_(out_dir, model, {n: t.to(cast or t.dtype) for n, t in adapters.items()}, base)
+    else:
+        state = model.state_dict()
+        if lora.rank:
+            state = merge_adapters_(state, lora)
+        state = without_tied_duplicates(model, state)
+        if cast is not None:
+            state = {name: tensor.to(cast) for name, tensor in state.items()}
+        model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    load_tokenizer(base).save_pretrained(out_dir)
     return out_dir

@@ -11,8 +11,10 @@ head computes in chunks without ever holding the full logits (fnt/lm_head.py).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -227,6 +229,22 @@ def accumulate_gradients_(
         moe_stats=moe_stats,
         loss_denominator=samples if per_sample else None,
     )
+
+
+@contextlib.contextmanager
+def step_rng(state: TrainState) -> Iterator[None]:
+    """Inside the block torch's RNG (the CPU's and the state's device's) is seeded by (seed, the
+    step being made, rank), so the dropout masks of a step (model.lora.dropout) are a function
+    of the state: a resumed run draws what an uninterrupted one drew. The caller's RNG state
+    comes back on exit."""
+    runtime = state.handles.runtime
+    key = f"dropout/{state.config.seed}/{state.progress.step + 1}/{runtime.rank}"
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+    device = runtime.device
+    devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.manual_seed(seed)
+        yield
 
 
 def grad_norm_(params: list[Tensor], max_norm: float) -> Tensor:

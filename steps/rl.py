@@ -69,6 +69,7 @@ from fnt.update import (
     forward_loss_tokens,
     micro_batches_to_run,
     step_counts,
+    step_rng,
 )
 from steps.rl_losses import (
     LossInputs,
@@ -271,16 +272,17 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     if skip:
         totals = skipped_totals(counts, per_sample(aggregation_of(config)))
     else:
-        totals = rl_gradients_(
-            state.handles.model,
-            batch,
-            runtime,
-            config,
-            state.config.model.loss_chunk_tokens,
-            ref_model=state.handles.ref_model,
-            counts=counts,
-            max_new_tokens=state.config.rollout.max_new_tokens,
-        )
+        with step_rng(state):
+            totals = rl_gradients_(
+                state.handles.model,
+                batch,
+                runtime,
+                config,
+                state.config.model.loss_chunk_tokens,
+                ref_model=state.handles.ref_model,
+                counts=counts,
+                max_new_tokens=state.config.rollout.max_new_tokens,
+            )
     metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
     return complete_step_(
         state, batch, totals, metrics, time.perf_counter() - started, skip_update=skip

@@ -17,7 +17,7 @@ from torch import Tensor
 from fnt.batch import PackedRows, SftBatch
 from fnt.lm_head import TokenLogprobs
 from fnt.state import TrainState
-from fnt.update import accumulate_gradients_, complete_step_
+from fnt.update import accumulate_gradients_, complete_step_, step_rng
 
 
 def sft_loss(logprobs: TokenLogprobs, rows: PackedRows) -> tuple[Tensor, dict[str, Tensor]]:
@@ -30,13 +30,14 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
     batch.check()
     state.check_current()
     started = time.perf_counter()
-    totals = accumulate_gradients_(
-        state.handles.model,
-        batch,
-        state.handles.runtime,
-        sft_loss,
-        chunk_tokens=state.config.model.loss_chunk_tokens,
-    )
+    with step_rng(state):
+        totals = accumulate_gradients_(
+            state.handles.model,
+            batch,
+            state.handles.runtime,
+            sft_loss,
+            chunk_tokens=state.config.model.loss_chunk_tokens,
+        )
     loss_mean = totals.loss_sum / max(totals.loss_tokens, 1.0)
     return complete_step_(
         state,

@@ -95,7 +95,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         require(
             config.rollout.publish != "adapter" or config.model.lora.rank > 0,
             "rollout.publish",
-            "publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use \"auto\"",
+            'publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use "auto"',
         )
         require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
         if config.rollout.engine == "in_process":

@@ -210,6 +210,9 @@ def apply_compute_dtype_(
     for name, p in model.named_parameters():
         if p.dtype != torch.float32 or name.rpartition(".")[0] in fp32_modules:
             continue
+        if not p.requires_grad:  # a frozen base weight (LoRA) is only computed with
+            p.data = p.data.to(plan.compute_dtype)
+            continue
         master = p.detach().clone()
         # Rounds to nearest even, as the CPU AdamW rounds a master into its param after a step.
         p.data = p.data.to(plan.compute_dtype)
