@@ -43,11 +43,16 @@ def all_gather_objects(obj: Any, distributed: bool) -> list[Any]:
     return gathered
 
 
-def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, Tensor]:
+def full_state_dict(
+    model: nn.Module, *, cpu_offload: bool = False, trained_only: bool = False
+) -> dict[str, Tensor]:
     """The model's full (unsharded) state dict, gathered from its FSDP2 shards on every rank
     (on the CPU with `cpu_offload`, where only rank 0 keeps the tensors); a plain model's own
-    state dict in one process."""
+    state dict in one process. `trained_only`: without the frozen parameters (a LoRA model's
+    base), which then are not gathered at all."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=cpu_offload, ignore_frozen_params=trained_only
+    )
     return get_model_state_dict(model, options=options)

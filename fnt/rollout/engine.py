@@ -35,6 +35,7 @@ from fnt.batch import DataPosition, RLBatch
 from fnt.collectives import all_reduce_max, all_reduce_sum, full_state_dict
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.errors import DataError
+from fnt.lora import add_adapters_, is_adapted
 from fnt.model import load_hf_model
 from fnt.parallel import check_batch_layout, rank_bounds, rank_share
 from fnt.rewards import RewardFn, keep_group, reward_function, score
@@ -45,6 +46,28 @@ from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.runtime import Runtime
 from fnt.state import TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
+
+
+def inference_copy(config: RLConfig, runtime: Runtime) -> nn.Module:
+    """The engine's unsharded model to generate with: the policy's architecture (with its LoRA
+    adapters, whose values each sync brings) and the base's weights, frozen."""
+    model = load_hf_model(config.model, runtime.device)
+    if config.model.lora.rank:
+        add_adapters_(model, config.model.lora)
+    return model.eval().requires_grad_(False)
+
+
+def policy_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """What an inference copy needs of the live policy (a collective under FSDP2): its full
+    state dict, or of a LoRA policy the trained weights only (the frozen base never changes)."""
+    return full_state_dict(policy, trained_only=is_adapted(policy))
+
+
+def load_policy_(copy: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Load `policy_weights` into an inference copy (a LoRA copy keeps its base)."""
+    result = copy.load_state_dict(weights, strict=not is_adapted(copy))
+    if result.unexpected_keys:
+        raise RuntimeError(f"the policy has weights the inference copy lacks: {result}")
 
 
 class InProcessEngine:
@@ -84,14 +107,12 @@ class InProcessEngine:
             seq_len=config.seq_len,
         )
         self.order = prompt_order(len(self.prompts), config.seed)
-        self.model: nn.Module = (
-            load_hf_model(config.model, runtime.device).eval().requires_grad_(False)
-        )
+        self.model = inference_copy(config, runtime)
         self.background = AsyncRollouts(self) if rollout.async_level > 0 else None
 
     def sync_weights_(self, policy: nn.Module) -> None:
         """Load the live policy's weights into the copy; every rank calls it at the same point."""
-        self.model.load_state_dict(full_state_dict(policy))
+        load_policy_(self.model, policy_weights(policy))
 
     def rollout(self, state: TrainState) -> RLBatch:
         """This rank's RL batch for update state.progress.step + 1.
@@ -245,7 +266,7 @@ class AsyncRollouts:
             policy_step = rollout_policy_step(j, k)
             if policy_step == state.progress.step and policy_step not in self.policies:
                 self.policies[policy_step] = {
-                    n: t.detach().clone() for n, t in full_state_dict(state.handles.model).items()
+                    n: t.detach().clone() for n, t in policy_weights(state.handles.model).items()
                 }
             self.jobs[(j, at)] = self.pool.submit(self.job, self.policy(policy_step), j, at)
         # The wanted jobs' policies stay (asking again for this update submits its job again);
@@ -273,7 +294,7 @@ class AsyncRollouts:
 
     def job(self, weights: dict[str, torch.Tensor], step: int, position: DataPosition):
         started = time.perf_counter()
-        self.model.load_state_dict(weights)
+        load_policy_(self.model, weights)
         samples, after = self.engine.sample(self.model, step, position)
         return samples, after, time.perf_counter() - started
 

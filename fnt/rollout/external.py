@@ -6,8 +6,9 @@ waits for `rollouts/step_N/COMPLETE` (sampled, says `rollouts/step_N/policy_step
 by weights/step_P with P >= N - 1 - rollout.async_level; older ones are never used, the trainer
 waits for them to be replaced), reads `rollouts/step_N/samples.jsonl` (every rank reads
 the whole file and takes its contiguous share), trains, then publishes the policy as a Hugging
-Face directory `weights/step_N/`, marked complete by a `COMPLETE` file written after everything
-else and the rename from `step_N.partial`. The starting policy is published as
+Face directory `weights/step_N/` (with LoRA a PEFT adapter directory by default, or the merged
+model: rollout.publish; `fnt_published.json` says which), marked complete by a `COMPLETE` file
+written after everything else and the rename from `step_N.partial`. The starting policy is published as
 `weights/step_{start}/` before the first wait, so the orchestrator always has weights to load.
 """
 
@@ -26,6 +27,7 @@ from fnt.collectives import full_state_dict
 from fnt.config import RLConfig
 from fnt.errors import DataError
 from fnt.export import without_tied_duplicates
+from fnt.lora import merge_adapters_, save_adapter_
 from fnt.parallel import check_batch_layout, rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
@@ -343,24 +345,46 @@ class ExternalRollouts(Stateless):
         )
 
 
+# Written into every published directory: {"kind": "full" | "merged" | "adapter", "step": N}.
+PUBLISHED_FILE = "fnt_published.json"
+
+
+def published_kind(config: RLConfig) -> str:
+    """What publish_weights_ writes: "full" (no LoRA), "adapter" (a PEFT adapter directory, the
+    default with LoRA: a few MB) or "merged" (a full model with the adapters merged in). Pure."""
+    if not config.model.lora.rank:
+        return "full"
+    return "merged" if config.rollout.publish == "merged" else "adapter"
+
+
 def publish_weights_(state: TrainState) -> Optional[Path]:
     """Write the current policy to weights/step_{progress.step}/ as a transaction; keep the newest.
 
-    Every rank takes part in gathering the full state dict (a collective under FSDP2); rank 0
-    writes the Hugging Face directory through fnt.transaction and prunes older complete
-    directories beyond rollout.keep_weights. A resumed run republishes the step it resumed from,
-    replacing that directory. Returns the directory on rank 0, None elsewhere.
+    Every rank takes part in gathering the full state dict (a collective under FSDP2; a LoRA
+    adapter publish gathers only the trained weights); rank 0 writes the directory through
+    fnt.transaction: a Hugging Face model, or a PEFT adapter (`published_kind`, recorded in its
+    fnt_published.json), and prunes older complete directories beyond rollout.keep_weights. A
+    resumed run republishes the step it resumed from, replacing that directory. Returns the
+    directory on rank 0, None elsewhere.
     """
     config, runtime, model = state.config, state.handles.runtime, state.handles.model
-    full = full_state_dict(model, cpu_offload=True)
+    kind = published_kind(config)
+    weights = full_state_dict(model, cpu_offload=True, trained_only=kind == "adapter")
     if not runtime.is_main:
         return None
     final = weights_dir(config.output_dir, state.progress.step)
     partial = begin_dir_(final)
-    model.save_pretrained(
-        partial, state_dict=without_tied_duplicates(model, full), safe_serialization=True
-    )
+    if kind == "adapter":
+        save_adapter_(partial, model, weights, config.model.name)
+    else:
+        if kind == "merged":
+            weights = merge_adapters_(weights, config.model.lora)
+        model.save_pretrained(
+            partial, state_dict=without_tied_duplicates(model, weights), safe_serialization=True
+        )
     load_tokenizer(config.model.name).save_pretrained(partial)
+    record = {"kind": kind, "step": state.progress.step}
+    (partial / PUBLISHED_FILE).write_text(json.dumps(record) + "\n")
     commit_dir_(partial, final, f"step {state.progress.step}\n", replace=True)
     prune_steps_(final.parent, config.rollout.keep_weights)
     return final
