@@ -8,8 +8,9 @@ waits for them to be replaced), reads `rollouts/step_N/samples.jsonl` (every ran
 the whole file and takes its contiguous share), trains, then publishes the policy as a Hugging
 Face directory `weights/step_N/` (with LoRA a PEFT adapter directory by default, or the merged
 model: rollout.publish; `fnt_published.json` says which), marked complete by a `COMPLETE` file
-written after everything else and the rename from `step_N.partial`. The starting policy is published as
-`weights/step_{start}/` before the first wait, so the orchestrator always has weights to load.
+written after everything else and the rename from `step_N.partial`. The starting policy is
+published as `weights/step_{start}/` before the first wait, so the orchestrator always has weights
+to load.
 """
 
 from __future__ import annotations
