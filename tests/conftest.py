@@ -45,6 +45,16 @@ def tiny_reference_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3-0.6B's architecture shrunk (hidden 64, 2 layers, tied embeddings) with the real
+    Qwen3 chat template and special tokens (tests/fixtures/chat_templates/qwen3.json)."""
+    template = Path(__file__).parent / "fixtures" / "chat_templates" / "qwen3.json"
+    sizes = ["--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
+    extra = ["--intermediate-size", "192", "--chat-template", str(template)]
+    return make_model(tmp_path_factory.mktemp("qwen3") / "model", "--arch", "qwen3", *sizes, *extra)
+
+
+@pytest.fixture(scope="session")
 def policy_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model with its eos row of lm_head scaled 20x.
 

@@ -24,6 +24,7 @@ from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli
 
 FIXTURE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.json"
 SFT, RL = "examples/qwen3/sft.toml", "examples/qwen3/rl.toml"
+# The shape of the session fixture `qwen3_dir` (tests/conftest.py).
 SHRUNK = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -32,15 +33,6 @@ SHRUNK = {
     "intermediate_size": 192,  # 3 x hidden, as Qwen3-0.6B's 3072 over 1024
 }
 SEQ_LEN, STEPS = "256", 2
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("qwen3") / "model"
-    sizes = ["--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
-    extra = ["--intermediate-size", "192", "--chat-template", str(FIXTURE)]
-    tiny_model.main(["--arch", "qwen3", "--out", str(out), *sizes, *extra])
-    return out
 
 
 @pytest.fixture(scope="module")

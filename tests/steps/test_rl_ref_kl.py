@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.config import RLLossConfig
-from steps.rl import rl_gradients_, rl_metrics, rl_step
+from fnt.config import LoraConfig, RLLossConfig
+from steps.rl import reference_logprobs, rl_gradients_, rl_metrics, rl_step
 from tests.steps.test_rl_step import (
     ADVANTAGES,
     ROWS,
@@ -115,6 +115,38 @@ def test_the_default_reference_is_the_starting_policy_and_stays_frozen(tiny_mode
     state, metrics = rl_step(state, rl_batch(rows, own_logprobs(state.handles.model, rows)))
     assert float(metrics["ref_kl/mean"]) > 0  # the policy has moved away from it
     assert state.handles.ref_model is not None
+
+
+def test_with_lora_the_reference_is_the_policy_s_base_and_no_second_model(tiny_model_dir):
+    config = RLLossConfig(ref_kl_tau=REF_KL_TAU)
+    state = make_state(tiny_model_dir, loss=config, lora=LoraConfig(rank=4, alpha=32.0))
+    model, runtime = state.handles.model, state.handles.runtime
+    # One model's parameters: the reference is the policy itself, run with its adapters off.
+    assert state.handles.ref_model is model
+    held = {id(p) for m in (model, state.handles.ref_model) for p in m.parameters()}
+    assert held == {id(p) for p in model.parameters()}
+    optimized = [p for group in state.handles.optimizer.param_groups for p in group["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert {id(p) for p in optimized} == {id(p) for p in trainable}
+    assert sum(p.numel() for p in trainable) < sum(p.numel() for p in model.parameters()) // 4
+
+    rows = random_rows(14)
+    for _ in range(3):  # move the adapters away from zero
+        state, metrics = rl_step(state, rl_batch(rows, off_policy_inference(model, rows)))
+    assert float(metrics["ref_kl/mean"]) > 1e-4
+
+    separate = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval().requires_grad_(False)
+    batch = rl_batch(rows, off_policy_inference(model, rows))
+    inside = reference_logprobs(model, batch, runtime, 16)
+    apart = reference_logprobs(separate, batch, runtime, 16)
+    for a, b in zip(inside.micro_batches, apart.micro_batches):
+        assert torch.equal(a.ref_logprobs, b.ref_logprobs)
+    assert not torch.allclose(own_logprobs(model, rows), apart.micro_batches[0].ref_logprobs)
+
+    with_base = rl_metrics(rl_gradients_(model, batch, runtime, config, 16, model))
+    model.zero_grad(set_to_none=True)
+    with_separate = rl_metrics(rl_gradients_(model, batch, runtime, config, 16, separate))
+    assert float(with_base["ref_kl/mean"]) == float(with_separate["ref_kl/mean"]) > 1e-4
 
 
 def test_no_reference_model_without_ref_kl(tiny_model_dir):

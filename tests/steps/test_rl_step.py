@@ -12,7 +12,7 @@ import torch
 from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.collectives import all_reduce_sum
-from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
+from fnt.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
 from fnt.runtime import setup_trainer
 from fnt.update import packed_logits
@@ -34,9 +34,9 @@ RL_KEYS = {
 MISMATCH_KEYS = {"mismatch_kl/all/mean", "kl_ent_ratio/mean"}
 
 
-def make_state(model_dir, lr=1e-2, loss=RLLossConfig()):
+def make_state(model_dir, lr=1e-2, loss=RLLossConfig(), lora=LoraConfig()):
     config = RLConfig(
-        model=ModelConfig(name=str(model_dir)),
+        model=ModelConfig(name=str(model_dir), lora=lora),
         optim=OptimConfig(lr=lr, max_norm=1.0),
         max_steps=10,
         seq_len=T,
