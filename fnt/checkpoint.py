@@ -3,12 +3,12 @@
 Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and optimizer
 (`.metadata`, `__*_*.distcp`; of a LoRA model only the adapters and what else trains, not the
 frozen base), `progress.json` (Progress, with the data position), `meta.json` (the model
-directory, for export, and with LoRA the base's fingerprint: fnt.lora.base_fingerprint),
-`config.json` (the resolved config the checkpoint was written with, which a resume reconciles
-with its own: fnt.resume.reconcile_config), `components/NAME.pt` (the state of each source
-handle that has one, fnt.state.Component: e.g. the policies an async rollout engine still
-samples from), `checksums.json` (the size and xxh3-128 digest of every other file,
-fnt.checksums) and the marker `COMPLETE`.
+directory, for export; with LoRA also the adapters' settings and the base's fingerprint,
+fnt.lora.base_fingerprint), `config.json` (the resolved config the checkpoint was written with,
+which a resume reconciles with its own: fnt.resume.reconcile_config), `components/NAME.pt` (the
+state of each source handle that has one, fnt.state.Component: e.g. the policies an async
+rollout engine still samples from), `checksums.json` (the size and xxh3-128 digest of every
+other file, fnt.checksums) and the marker `COMPLETE`.
 
 How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
 barrier, each rank hashes its share of the shards, rank 0 writes `progress.json`, `meta.json`,
@@ -26,6 +26,7 @@ one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -56,7 +57,7 @@ from fnt.collectives import all_gather_objects
 from fnt.config import Config, to_json
 from fnt.errors import CheckpointError
 from fnt.faults import fault_point
-from fnt.lora import base_fingerprint, is_adapted
+from fnt.lora import base_fingerprint, is_adapted, lora_of
 from fnt.rundir import (
     COMPLETE_MARKER,
     COMPONENTS_DIR,
@@ -249,11 +250,13 @@ def held_state(model: Any) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
-def checkpoint_meta(model: Any, model_name: str) -> dict[str, str]:
-    """meta.json: the model directory and, for a LoRA model, the base's fingerprint."""
-    meta = {"model_name": os.path.abspath(model_name)}
+def checkpoint_meta(model: Any, model_name: str) -> dict[str, Any]:
+    """meta.json: the model directory and, for a LoRA model, the base's fingerprint and the
+    adapters' settings (what an export needs to rebuild the model)."""
+    meta: dict[str, Any] = {"model_name": os.path.abspath(model_name)}
     if is_adapted(model):
         meta["base_fingerprint"] = base_fingerprint(model_name)
+        meta["lora"] = dataclasses.asdict(lora_of(model))
     return meta
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fnt.checkpoint import read_meta, read_saved_config
+from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
 from fnt.lora import add_adapters_, base_fingerprint, merge_adapters_, save_adapter_
@@ -30,11 +30,9 @@ from fnt.transaction import is_complete
 
 
 def saved_lora(ckpt_dir: Path) -> LoraConfig:
-    """The model.lora a checkpoint was trained with (off for one that records no config)."""
-    saved = read_saved_config(ckpt_dir) or {}
-    lora = saved.get("model", {}).get("lora", {})
-    fields = {key: tuple(v) if isinstance(v, list) else v for key, v in lora.items()}
-    return LoraConfig(**fields)
+    """The adapters' settings a checkpoint records (off for a checkpoint without LoRA)."""
+    lora = read_meta(ckpt_dir).get("lora", {})
+    return LoraConfig(**{key: tuple(v) if isinstance(v, list) else v for key, v in lora.items()})
 
 
 def check_base(ckpt_dir: Path) -> str:

@@ -63,6 +63,20 @@ def is_adapted(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
+def lora_of(model: nn.Module) -> LoraConfig:
+    """The model.lora an adapted model was built with (its target modules as PEFT resolved
+    them: module names that select the same modules again)."""
+    peft = model.peft_config[ADAPTER]
+    targets = peft.target_modules
+    return LoraConfig(
+        rank=peft.r,
+        alpha=float(peft.lora_alpha),
+        dropout=float(peft.lora_dropout),
+        target_modules=(targets,) if isinstance(targets, str) else tuple(sorted(targets)),
+        modules_to_save=tuple(sorted(peft.modules_to_save or ())),
+    )
+
+
 def add_adapters_(model: nn.Module, lora: LoraConfig) -> None:
     """Put PEFT's LoRA layers on model.lora.target_modules and copies of modules_to_save, in
     place; every other parameter is frozen (requires_grad False). On a meta-device model the
