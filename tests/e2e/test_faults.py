@@ -123,30 +123,37 @@ def _run_until_killed(command, out, kill_after_step: int, jitter_s: float, timeo
     return False
 
 
+LORA = ("--model.lora.rank", "8", "--model.lora.dropout", "0.1")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [0, 2], ids=["1rank", "2ranks"])
-def test_ten_kills_at_random_moments_resume_to_the_uninterrupted_run(
-    tiny_model_dir, tmp_path, nproc
+@pytest.mark.parametrize(
+    "nproc, kills, steps, extra",
+    [(0, 10, 30, ()), (2, 10, 30, ()), (0, 4, 16, LORA), (2, 4, 16, LORA)],
+    ids=["1rank", "2ranks", "1rank-lora", "2ranks-lora"],
+)
+def test_kills_at_random_moments_resume_to_the_uninterrupted_run(
+    tiny_model_dir, tmp_path, nproc, kills, steps, extra
 ):
-    steps = 30
     reference = tmp_path / "reference"
-    run_script("sft.py", *args(tiny_model_dir, reference, steps=steps), nproc=nproc)
+    run_script("sft.py", *args(tiny_model_dir, reference, *extra, steps=steps), nproc=nproc)
 
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     out = tmp_path / "run"
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
-    kills = 0
+    done = 0
     # Kill points move forward through the run; each restart resumes from the latest checkpoint.
-    for kill_after in sorted(rng.sample(range(1, steps - 1), 10)):
+    for kill_after in sorted(rng.sample(range(1, steps - 1), kills)):
         command = [
             *launcher,
             str(REPO / "scripts" / "sft.py"),
-            *args(tiny_model_dir, out, "--resume", "latest", steps=steps),
+            *args(tiny_model_dir, out, *extra, "--resume", "latest", steps=steps),
         ]
         killed = _run_until_killed(command, out, kill_after, rng.uniform(0, 0.1), timeout=300)
         assert killed, f"seed {seed}: the run ended before its kill after step {kill_after}"
-        kills += 1
-    run_script("sft.py", *args(tiny_model_dir, out, "--resume", "latest", steps=steps), nproc=nproc)
-    assert kills == 10
+        done += 1
+    resume = args(tiny_model_dir, out, *extra, "--resume", "latest", steps=steps)
+    run_script("sft.py", *resume, nproc=nproc)
+    assert done == kills
     assert_resumed_run_matches(reference, out, 0, steps, EXACT_KEYS, tmp_path)

@@ -1,13 +1,15 @@
-"""scripts/rl.py end to end with the in-process engine: rows, keys, exact resume."""
+"""scripts/rl.py end to end with the in-process engine: rows, keys, exact resume; with LoRA."""
 
 from __future__ import annotations
 
 import pytest
 
+from fnt.lora import is_adapter_weight
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,
     copy_crashed_run,
+    model_weights,
     read_metrics,
     run_cli,
 )
@@ -54,3 +56,26 @@ def test_debug_rl_writes_rows_with_the_rl_keys_and_resumes_exactly(tiny_model_di
     copy_crashed_run(full, resumed, 2)
     run_cli("rl", *rl_args(tiny_model_dir, resumed, "--resume", "latest"))
     assert_resumed_run_matches(full, resumed, 2, 4, EXACT, tmp_path)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("async_level", [0, 1])
+def test_lora_rl_with_reference_kl_generates_from_the_adapters_and_resumes_exactly(
+    tiny_model_dir, tmp_path, async_level
+):
+    lora = ("--model.lora.rank", "4", "--loss.ref-kl-tau", "0.1", "--optim.lr", "0.05")
+    extra = (*lora, "--rollout.async-level", str(async_level))
+    full = tmp_path / "full"
+    run_cli("rl", *rl_args(tiny_model_dir, full, "--ckpt.interval", "2", *extra))
+    rows = read_metrics(full)
+    # The reference is the base: the policy is the base at step 1, and moves away from it.
+    assert rows[0]["ref_kl/mean"] == 0.0
+    assert all(r["ref_kl/mean"] > 0 for r in rows[1 + async_level :])
+    assert all(
+        is_adapter_weight(n) for n in model_weights(full / "checkpoints" / "step_4", tmp_path)
+    )
+
+    resumed = tmp_path / "resumed"
+    copy_crashed_run(full, resumed, 2)
+    run_cli("rl", *rl_args(tiny_model_dir, resumed, "--resume", "latest", *extra))
+    assert_resumed_run_matches(full, resumed, 2, 4, (*EXACT, "ref_kl/mean"), tmp_path)

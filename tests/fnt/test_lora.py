@@ -181,3 +181,24 @@ def test_publishing_an_adapter_needs_lora():
         ),
         world_size=1,
     )
+
+
+def test_the_in_process_engine_generates_with_the_adapters(tiny_model_dir, prompts_file):
+    from fnt import init_state, setup_trainer
+
+    config = RLConfig(
+        model=ModelConfig(name=str(tiny_model_dir), lora=LORA),
+        rollout=RolloutConfig(prompts=str(prompts_file), reward="ascii_letters"),
+        batch_size=4,
+        micro_batch_size=2,
+        seq_len=128,
+    )
+    state = init_state(config, setup_trainer(config))
+    policy, engine = state.handles.model, state.handles.rollouts
+    trained_like_(policy)
+    engine.sync_weights_(policy)
+    copy_logits = logits(engine.model)
+    assert torch.equal(copy_logits, logits(policy.eval()))
+    assert not torch.equal(
+        copy_logits, logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    )
