@@ -79,8 +79,10 @@ def lora_of(model: nn.Module) -> LoraConfig:
 
 def add_adapters_(model: nn.Module, lora: LoraConfig) -> None:
     """Put PEFT's LoRA layers on model.lora.target_modules and copies of modules_to_save, in
-    place; every other parameter is frozen (requires_grad False). On a meta-device model the
-    adapters are on the meta device too (their values come from `init_adapters_`)."""
+    place; every other parameter is frozen (requires_grad False). The adapters are float32 (a
+    bfloat16 base stays bfloat16: PEFT casts each adapter's input and output); the copies of
+    modules_to_save keep the model's dtype. On a meta-device model the adapters are on the meta
+    device too (their values come from `init_adapters_`)."""
     from peft import inject_adapter_in_model
 
     try:
@@ -89,6 +91,9 @@ def add_adapters_(model: nn.Module, lora: LoraConfig) -> None:
         raise ConfigError(
             f"'model.lora.target_modules' = {list(lora.target_modules)!r}: {exc}"
         ) from None
+    for name, param in model.named_parameters():
+        if is_adapter_weight(name):  # trained in float32, whatever the base's dtype
+            param.data = param.data.float()
     missing = [name for name in lora.modules_to_save if not _has_module_named(model, name)]
     if missing:
         raise ConfigError(

@@ -73,13 +73,19 @@ def disk_metrics(path: Path) -> dict[str, float]:
     return disk_metrics_from_usage(usage.total, usage.used, usage.free)
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter plus causal attention scores. Pure.
+def flops_per_token(
+    num_params: int, num_layers: int, hidden_size: int, seq_len: int, frozen_params: int = 0
+) -> float:
+    """Training FLOPs per token: 6 per trained parameter, 4 per frozen one (of num_params),
+    plus causal attention scores. Pure.
 
-    The attention term is 12 * layers * hidden * seq_len halved for the causal mask
-    (forward 2 matmuls x 2 FLOPs, backward twice that).
+    A frozen weight (a LoRA base) gets no weight gradient, but the backward still passes the
+    activations' gradient through it: forward 2, backward 2. The attention term is
+    12 * layers * hidden * seq_len halved for the causal mask (forward 2 matmuls x 2 FLOPs,
+    backward twice that).
     """
-    return 6.0 * num_params + 6.0 * num_layers * hidden_size * seq_len
+    trained = num_params - frozen_params
+    return 6.0 * trained + 4.0 * frozen_params + 6.0 * num_layers * hidden_size * seq_len
 
 
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}

@@ -24,6 +24,7 @@ class ModelFacts:
     num_params: int
     num_layers: int
     hidden_size: int
+    frozen_params: int = 0  # of num_params, those that do not train (a LoRA base)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -56,6 +57,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         num_params=sum(p.numel() for p in model.parameters()),
         num_layers=model.config.num_hidden_layers,
         hidden_size=model.config.hidden_size,
+        frozen_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),
     )
 
 

@@ -101,7 +101,11 @@ class RowBuilder:
         self.peak_flops = peak_flops_per_device(config.runtime.peak_tflops, runtime.device)
         facts = model_facts(state.handles.model)
         self.flops_per_token = flops_per_token(
-            facts.num_params, facts.num_layers, facts.hidden_size, config.seq_len
+            facts.num_params,
+            facts.num_layers,
+            facts.hidden_size,
+            config.seq_len,
+            facts.frozen_params,
         )
         self.tokens_before = state.progress.total_tokens
         self.save_seconds = 0.0

@@ -3,6 +3,7 @@ per-rank peak of a ~400M-parameter model at 1 and 2 ranks. Side effects: writes 
 models into --work, runs every case in a fresh process (so each peak is its own).
 
     python scripts/bench_memory.py [--seq-lens 1024,2048,4096] [--work DIR] [--skip-ranks]
+    python scripts/bench_memory.py --lora [--work DIR]
 
 Cases, each one optimizer step after one warm-up step, at each seq_len (one packed row):
 - fnt_sft: init_state + sft_step on a Qwen3-shaped model with Qwen3's vocabulary (151,936
@@ -14,6 +15,11 @@ Cases, each one optimizer step after one warm-up step, at each seq_len (one pack
 Peak memory is the process's maximum resident set (RSS) on CPU, torch.cuda.max_memory_allocated
 on CUDA. Then `ranks`: load + one SFT step of a ~400M-parameter Llama-shaped model under
 torchrun at 1 and 2 ranks, the peak RSS of each rank. The last line is one JSON object.
+
+`--lora` measures only LoRA against full fine-tuning on the ~400M model: rank 16 on every linear
+layer, one 256-token row per rank, at 1 and 2 ranks; per-rank peak, the mean time of two steps
+after a warm-up one, and the checkpoint written after them (the lower of two runs each), with
+the ratios LoRA / full.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,30 +181,87 @@ def bare_case(model_dir: str, seq_len: int) -> dict:
     return {"seconds": seconds_since(started, device), "peak_gib": peak_gib(device)}
 
 
-def ranks_case(model_dir: str, seq_len: int) -> dict:
-    """Load + one SFT step under torchrun; this rank's peak."""
-    from fnt import Config, ModelConfig, init_state, setup_trainer, teardown_trainer
+def ranks_case(
+    model_dir: str, seq_len: int, lora_rank: int = 0, steps: int = 1, out: str = ""
+) -> dict:
+    """Load + SFT steps under torchrun (model.lora.rank = `lora_rank`, on every linear layer):
+    this rank's peak, the mean time of `steps` steps after a warm-up one (with steps > 1), and,
+    given an output directory `out`, the size and save time of the checkpoint after them."""
+    from fnt import Config, LoraConfig, ModelConfig, init_state, setup_trainer, teardown_trainer
+    from fnt.build import save_state_
+    from fnt.sources import sft_source
     from steps import sft_step
 
     world = int(os.environ.get("WORLD_SIZE", 1))
+    model = ModelConfig(name=model_dir, lora=LoraConfig(rank=lora_rank))
     config = Config(
-        model=ModelConfig(name=model_dir), seq_len=seq_len, batch_size=world, micro_batch_size=1
+        output_dir=out, model=model, seq_len=seq_len, batch_size=world, micro_batch_size=1
     )
     runtime = setup_trainer(config)
     state = init_state(config, runtime)
     loaded = peak_gib(runtime.device)
-    from fnt.sources import sft_source
-
+    if steps > 1:
+        state, _ = sft_step(state, sft_source(state))
     started = time.perf_counter()
-    state, _ = sft_step(state, sft_source(state))
+    for _ in range(steps):
+        state, _ = sft_step(state, sft_source(state))
     result = {
         "rank": runtime.rank,
-        "seconds": seconds_since(started, runtime.device),
+        "seconds": seconds_since(started, runtime.device) / steps,
         "loaded_peak_gib": loaded,
         "peak_gib": peak_gib(runtime.device),
     }
+    if out:
+        started = time.perf_counter()
+        ckpt = save_state_(state)
+        result["save_seconds"] = time.perf_counter() - started
+        result["ckpt_bytes"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
     teardown_trainer(runtime)
     return result
+
+
+def lora_vs_full(model_dir: str, seq_len: int, lora_rank: int, work: Path) -> dict:
+    """Full fine-tuning and LoRA on the ~400M model at 1 and 2 ranks: per-rank peak, step time
+    and checkpoint size of each, and their ratios (LoRA / full). Each is run twice, in the order
+    full, LoRA, LoRA, full, and the lower peak and time count: what one run leaves behind (page
+    cache, reclaim) adds to the next one's, and noise only ever adds. The checkpoints are
+    written under `work` and deleted once measured."""
+    results: dict = {"lora_rank": lora_rank, "seq_len": seq_len}
+    for nproc in (1, 2):
+        runs: dict[str, list[dict]] = {"full": [], "lora": []}
+        for name in ("full", "lora", "lora", "full"):
+            out = work / f"run-{name}-{nproc}"
+            args = ["--case", "ranks", "--model", model_dir, "--seq-len", str(seq_len)]
+            rank = lora_rank if name == "lora" else 0
+            args += ["--lora-rank", str(rank), "--steps", "2", "--out", str(out)]
+            rows = run_case(args, nproc=nproc)
+            shutil.rmtree(out)
+            runs[name].append(
+                {
+                    "peak_gib": max(r["peak_gib"] for r in rows),
+                    "step_seconds": max(r["seconds"] for r in rows),
+                    "ckpt_mib": rows[0]["ckpt_bytes"] / 2**20,
+                    "save_seconds": max(r["save_seconds"] for r in rows),
+                }
+            )
+        row = {
+            name: {key: min(run[key] for run in measured) for key in measured[0]}
+            for name, measured in runs.items()
+        }
+        for name in ("full", "lora"):
+            print(
+                f"~400M model, {nproc} rank(s), {name:>4}: peak {row[name]['peak_gib']:.2f} GiB "
+                f"per rank, step {row[name]['step_seconds']:.2f} s, checkpoint "
+                f"{row[name]['ckpt_mib']:.1f} MiB"
+            )
+        for key in ("peak_gib", "step_seconds", "ckpt_mib"):
+            row[f"{key}_ratio"] = row["lora"][key] / row["full"][key]
+        print(
+            f"LoRA / full at {nproc} rank(s): peak {row['peak_gib_ratio']:.2f}x, step "
+            f"{row['step_seconds_ratio']:.2f}x, checkpoint {row['ckpt_mib_ratio']:.3f}x"
+        )
+        results[nproc] = row
+    return results
 
 
 def run_case(args: list[str], nproc: int = 0) -> list[dict]:
@@ -219,7 +283,15 @@ def main() -> None:
     parser.add_argument("--seq-lens", default="1024,2048,4096")
     parser.add_argument("--work", type=Path, default=None, help="where the models go (reused)")
     parser.add_argument("--skip-ranks", action="store_true", help="skip the ~400M-model case")
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="only LoRA (rank 16, every linear layer) against full fine-tuning on the ~400M model",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,12 +300,18 @@ def main() -> None:
             "fnt_sft": lambda: fnt_case(args.model, args.seq_len, "sft"),
             "fnt_rl": lambda: fnt_case(args.model, args.seq_len, "rl"),
             "bare": lambda: bare_case(args.model, args.seq_len),
-            "ranks": lambda: ranks_case(args.model, args.seq_len),
+            "ranks": lambda: ranks_case(
+                args.model, args.seq_len, args.lora_rank, args.steps, args.out
+            ),
         }
         print(json.dumps(cases[args.case]()), flush=True)
         return
 
     work = args.work or Path(tempfile.mkdtemp(prefix="fnt-bench-memory-"))
+    if args.lora:
+        big = str(write_model(work / "llama-400m", big=True))
+        print(json.dumps({"lora_vs_full": lora_vs_full(big, 256, 16, work)}))
+        return
     small = str(write_model(work / "qwen3-vocab", big=False))
     results: dict = {"vocab": VOCAB, "steps": {}}
     print(f"{'seq_len':>8} {'case':>8} {'peak GiB':>9} {'step s':>8} {'peak / bare':>12}")

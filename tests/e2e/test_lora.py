@@ -138,15 +138,19 @@ def test_a_changed_base_is_refused_by_resume_and_export(tiny_model_dir, tmp_path
 
 
 @pytest.mark.parametrize(
-    "extra, cast",
+    "extra, cast, adapter_dtype",
     [
-        ({"model": {"compute_dtype": "bfloat16"}}, None),
-        ({"model": {"ac": True}}, None),
-        ({"optim": {"impl": "native", "offload": "full"}}, torch.bfloat16),
+        ({"model": {"compute_dtype": "bfloat16"}}, None, torch.float32),
+        ({"model": {"ac": True}}, None, torch.float32),
+        # bfloat16 compute copies of the adapters; the CPU AdamW's masters are float32
+        ({"optim": {"impl": "native", "offload": "full"}}, torch.bfloat16, torch.bfloat16),
+        ({"model": {"dtype": "bfloat16"}}, torch.bfloat16, torch.float32),
     ],
-    ids=["bf16-compute", "activation-checkpointing", "full-offload"],
+    ids=["bf16-compute", "activation-checkpointing", "full-offload", "bf16-base"],
 )
-def test_lora_trains_with_bf16_compute_checkpointing_and_offload(tiny_model_dir, extra, cast):
+def test_lora_trains_with_bf16_compute_checkpointing_offload_and_a_bf16_base(
+    tiny_model_dir, extra, cast, adapter_dtype
+):
     model = {"name": str(tiny_model_dir), "lora": LoraConfig(rank=8), **extra.get("model", {})}
     optim = {"lr": 1e-2, **extra.get("optim", {})}
     config = Config(
@@ -162,6 +166,8 @@ def test_lora_trains_with_bf16_compute_checkpointing_and_offload(tiny_model_dir,
     losses = [to_floats(m)["loss/mean"] for state, m in fold(state, sft_source, sft_step, 6)]
     assert losses[-1] < losses[0], losses
     assert_base_unchanged(state.handles.model, tiny_model_dir, cast)
+    trained = [p for p in state.handles.model.parameters() if p.requires_grad]
+    assert trained and all(p.dtype == adapter_dtype for p in trained)
 
 
 @pytest.fixture(scope="module", params=["tiny", "qwen3"])

@@ -202,3 +202,12 @@ def test_the_in_process_engine_generates_with_the_adapters(tiny_model_dir, promp
     assert not torch.equal(
         copy_logits, logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     )
+
+
+def test_a_frozen_base_costs_4_flops_per_parameter_and_a_trained_one_6():
+    from fnt.metrics import flops_per_token
+
+    full = flops_per_token(1000, num_layers=2, hidden_size=8, seq_len=16)
+    assert full == 6 * 1000 + 6 * 2 * 8 * 16
+    lora = flops_per_token(1000, num_layers=2, hidden_size=8, seq_len=16, frozen_params=900)
+    assert lora == 6 * 100 + 4 * 900 + 6 * 2 * 8 * 16
