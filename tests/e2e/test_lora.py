@@ -99,15 +99,17 @@ def test_the_checkpoint_holds_the_adapters_and_their_moments_only(
     assert ratio < 0.35, ratio  # rank 8 on a hidden size of 64: a third of the weights at most
 
 
+@pytest.mark.parametrize("model", ["tiny_model_dir", "qwen3_dir"], ids=["tiny", "qwen3"])
 @pytest.mark.parametrize(
     "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
 )
-def test_k_steps_then_resume_equals_n_steps(tiny_model_dir, tmp_path, nproc):
+def test_k_steps_then_resume_equals_n_steps(request, tmp_path, nproc, model):
+    model_dir = request.getfixturevalue(model)
     full = tmp_path / "full"
-    run_fnt("sft", *args(tiny_model_dir, full, "--ckpt.interval", str(K)), nproc=nproc)
+    run_fnt("sft", *args(model_dir, full, "--ckpt.interval", str(K)), nproc=nproc)
     resumed = tmp_path / "resumed"
     copy_crashed_run(full, resumed, K)
-    run_fnt("sft", *args(tiny_model_dir, resumed, "--resume", "latest"), nproc=nproc)
+    run_fnt("sft", *args(model_dir, resumed, "--resume", "latest"), nproc=nproc)
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
