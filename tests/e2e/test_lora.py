@@ -36,8 +36,6 @@ from tests.e2e.lora_ranks_loop import PROBE
 from tests.e2e.lora_ranks_loop import K as JOB_K
 from tests.e2e.lora_ranks_loop import N as JOB_N
 
-pytestmark = pytest.mark.numerics
-
 N, K = 6, 3
 LORA = ("--model.lora.rank", "8", "--model.lora.dropout", "0.1")
 EXACT_KEYS = ("loss/mean", "optim/grad_norm", "optim/lr", "progress/num_tokens")
@@ -99,9 +97,15 @@ def test_the_checkpoint_holds_the_adapters_and_their_moments_only(
     assert ratio < 0.35, ratio  # rank 8 on a hidden size of 64: a third of the weights at most
 
 
-@pytest.mark.parametrize("model", ["tiny_model_dir", "qwen3_dir"], ids=["tiny", "qwen3"])
+@pytest.mark.numerics
 @pytest.mark.parametrize(
-    "nproc", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["1rank", "2ranks"]
+    "model, nproc",
+    [
+        ("tiny_model_dir", 0),
+        ("qwen3_dir", 0),
+        pytest.param("tiny_model_dir", 2, marks=pytest.mark.slow),
+    ],
+    ids=["tiny-1rank", "qwen3-1rank", "tiny-2ranks"],
 )
 def test_k_steps_then_resume_equals_n_steps(request, tmp_path, nproc, model):
     model_dir = request.getfixturevalue(model)
@@ -113,6 +117,7 @@ def test_k_steps_then_resume_equals_n_steps(request, tmp_path, nproc, model):
     assert_resumed_run_matches(full, resumed, K, N, EXACT_KEYS, tmp_path)
 
 
+@pytest.mark.numerics
 def test_sigkill_during_a_save_resumes_to_the_uninterrupted_run(
     tiny_model_dir, tmp_path, uninterrupted
 ):
@@ -204,6 +209,7 @@ def test_training_lowers_the_loss_and_keeps_the_base(trained):
     assert_base_unchanged(trained["model"], trained["dir"])
 
 
+@pytest.mark.numerics
 def test_the_adapter_export_loads_in_peft_with_the_trained_logits(trained, tmp_path):
     run_cli("export", "--checkpoint", str(trained["ckpt"]), "--out", str(tmp_path / "adapter"))
     config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG_FILE).read_text())
@@ -215,6 +221,7 @@ def test_the_adapter_export_loads_in_peft_with_the_trained_logits(trained, tmp_p
     torch.testing.assert_close(got, trained["logits"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.numerics
 def test_the_merged_export_has_the_trained_logits_through_from_pretrained(trained, tmp_path):
     out = tmp_path / "merged"
     run_cli("export", "--checkpoint", str(trained["ckpt"]), "--out", str(out), "--merge")
@@ -235,6 +242,7 @@ def lora_ranks_job(fixture, out):
     }
 
 
+@pytest.mark.numerics
 @pytest.mark.two_ranks(job=lora_ranks_job)
 def test_two_ranks_train_only_the_adapters_resume_exactly_and_publish(
     tiny_model_dir, two_rank_runs, tmp_path
