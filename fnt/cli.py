@@ -15,15 +15,17 @@ from contextlib import contextmanager
 from typing import Any
 
 from fnt.config import CliArgs, Config, RLConfig, help_text, load_config, to_json, validate
-from fnt.errors import CheckpointError, ConfigError, DataError
+from fnt.errors import CheckpointError, ConfigError, DataError, ServerError
 
 EXIT_BAD_INPUT = 2
+EXIT_SERVER_FAILED = 3
 
 
 @contextmanager
 def exit_on_bad_input() -> Iterator[None]:
     """Turn a ConfigError, DataError or CheckpointError into `error: <message>` on stderr and
-    exit status 2.
+    exit status 2; a ServerError (an inference server down after the retries) likewise into
+    status 3.
 
     They are the user's input (or disk), not a bug, and their messages name the key or file, so a
     traceback would only bury them. Under torchrun every rank meets the same bad input, and
@@ -34,10 +36,17 @@ def exit_on_bad_input() -> Iterator[None]:
     try:
         yield
     except (ConfigError, DataError, CheckpointError) as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        report_to_launcher(f"error: {exc}")
-        sys.exit(EXIT_BAD_INPUT)
+        exit_with(exc, EXIT_BAD_INPUT)
+    except ServerError as exc:  # not the input's fault, but as plain to say
+        exit_with(exc, EXIT_SERVER_FAILED)
+
+
+def exit_with(exc: Exception, status: int) -> None:
+    """Print `error: <exc>` (rank 0), leave it in torchrun's error file, exit with `status`."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {exc}", file=sys.stderr)
+    report_to_launcher(f"error: {exc}")
+    sys.exit(status)
 
 
 def report_to_launcher(message: str) -> None:

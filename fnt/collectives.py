@@ -43,6 +43,16 @@ def all_gather_objects(obj: Any, distributed: bool) -> list[Any]:
     return gathered
 
 
+def broadcast_object(obj: Any, runtime: Runtime) -> Any:
+    """Rank 0's `obj` (picklable) on every rank (`obj` itself in one process); what the other
+    ranks pass is ignored."""
+    if not runtime.distributed:
+        return obj
+    box = [obj if runtime.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def full_state_dict(
     model: nn.Module, *, cpu_offload: bool = False, trained_only: bool = False
 ) -> dict[str, Tensor]:

@@ -1,8 +1,9 @@
-"""The errors fnt raises for bad input. Pure: no side effects.
+"""The errors fnt raises for bad input (and for an inference server that fails). Pure: no side
+effects.
 
-All three are user errors, not bugs: the command line prints their message and exits with status 2,
-without a traceback. Config, data and rollout code all import them from here, so none of those
-modules has to reach into another to name them.
+The first three are user errors, not bugs: the command line prints their message and exits with
+status 2, without a traceback. Config, data and rollout code all import them from here, so none
+of those modules has to reach into another to name them.
 """
 
 
@@ -17,3 +18,9 @@ class DataError(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (damaged, unreadable) or written (the disk is full); the
     message names the file or directory and what to do."""
+
+
+class ServerError(RuntimeError):
+    """An inference server that is down, too slow or answers with an error, after the retries;
+    the message names the server and the request. The command line prints it on one line and
+    exits with status 3: the run resumes from its last checkpoint once the server is back."""

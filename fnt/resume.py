@@ -176,6 +176,13 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.on_bad_reward": MAY_CHANGE,
     "rollout.async_level": FIXED,  # which policy sampled each step's rollouts
     "rollout.publish": MAY_CHANGE,  # how the policy is written for the orchestrator
+    "rollout.vllm.urls": MAY_CHANGE,  # a resumed run may use other servers
+    "rollout.vllm.model": MAY_CHANGE,
+    "rollout.vllm.top_p": MAY_CHANGE,
+    "rollout.vllm.startup_timeout_s": MAY_CHANGE,
+    "rollout.vllm.retry_s": MAY_CHANGE,
+    "rollout.vllm.gpu_memory_utilization": MAY_CHANGE,
+    "rollout.vllm.kv_cache_gb": MAY_CHANGE,
 }
 
 

@@ -24,6 +24,7 @@ from fnt.config.schema import (
     RuntimeConfig,
     ScheduleConfig,
     ValConfig,
+    VLLMConfig,
     WandbConfig,
     all_keys,
     field_docs,
@@ -36,7 +37,7 @@ from fnt.config.schema import (
     to_plain,
     type_name,
 )
-from fnt.config.validation import validate, validate_rollout
+from fnt.config.validation import validate, validate_rollout, validate_vllm
 from fnt.errors import ConfigError
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "DataConfig",
     "DataSourceConfig",
     "LoraConfig",
+    "VLLMConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -72,4 +74,5 @@ __all__ = [
     "type_name",
     "validate",
     "validate_rollout",
+    "validate_vllm",
 ]

@@ -331,11 +331,32 @@ class RLLossConfig:
 
 @dataclass_json
 @dataclass(frozen=True)
+class VLLMConfig:
+    """The vLLM engine's servers: fnt sends them the prompts and the new weights over HTTP."""
+
+    urls: tuple[str, ...] = ("http://127.0.0.1:8000",)
+    """Base URLs of the vLLM OpenAI-compatible servers; a step's prompts are spread over them."""
+    model: str = ""
+    """Model name in requests (vllm serve --served-model-name); empty: the one the server lists."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest token set of this much probability (1: off)."""
+    startup_timeout_s: float = 600.0
+    """How long to wait for every server's /health at the start of a run."""
+    retry_s: float = 60.0
+    """How long to retry a failed or refused request (with backoff) before the run stops."""
+    gpu_memory_utilization: float = 0.9
+    """fnt vllm-serve: the memory fraction vLLM takes (on CPU, of the RAM; --kv-cache-gb wins)."""
+    kv_cache_gb: float = 0.0
+    """fnt vllm-serve: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU); 0: vLLM's choice."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
 class RolloutConfig:
     """Where RL rollouts come from and how they are sampled and scored."""
 
-    engine: Literal["in_process", "external"] = "in_process"
-    """in_process: generate with the current policy here; external: read {output_dir}/rollouts/."""
+    engine: Literal["in_process", "external", "vllm"] = "in_process"
+    """in_process: generate here; external: read {output_dir}/rollouts/; vllm: vLLM servers."""
     prompts: str = ""
     """JSONL file of prompts: {"prompt": ...} or {"messages": [...]}, plus fields for the reward."""
     prompts_per_step: int = 4
@@ -351,15 +372,17 @@ class RolloutConfig:
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
     timeout_s: float = 600.0
-    """External engine: how long to wait for a step's rollouts."""
+    """External and vLLM engines: how long to wait for a step's rollouts (vLLM: per request)."""
     keep_weights: int = 2
-    """External engine: published weight directories to keep."""
+    """External and vLLM engines: published weight directories to keep (vLLM: > async_level)."""
     on_bad_reward: Literal["error", "skip"] = "error"
     """A NaN/inf reward stops the run (error), or its group gets zero advantages (skip)."""
     async_level: int = 0
     """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
     publish: Literal["auto", "adapter", "merged"] = "auto"
-    """External engine: publish the LoRA adapter or merged weights; auto: adapter with LoRA."""
+    """LoRA: publish the adapter or merged weights; auto: adapter (external), merged (vllm)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """engine = "vllm": the servers and their sampling settings."""
 
 
 @dataclass_json

@@ -98,8 +98,10 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             'publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use "auto"',
         )
         require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
-        if config.rollout.engine == "in_process":
+        if config.rollout.engine in ("in_process", "vllm"):
             validate_rollout(config.rollout, dp_size=dp)
+        if config.rollout.engine == "vllm":
+            validate_vllm(config.rollout)
 
 
 def validate_lora(config: Config) -> None:
@@ -167,7 +169,7 @@ def validate_loss(config: RLConfig) -> None:
     require(
         loss.ref_source == "model" or config.rollout.engine == "external",
         "ref_source",
-        'only external rollouts carry ref_logprobs; use "model" with the in-process engine',
+        'only external rollouts carry ref_logprobs; use "model" with the in-process or vLLM engine',
     )
 
 
@@ -261,6 +263,47 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
         math.isfinite(rollout.temperature) and rollout.temperature > 0,
         "temperature",
         "must be a finite number > 0",
+    )
+
+
+def validate_vllm(rollout: RolloutConfig) -> None:
+    """ConfigError unless the vLLM engine's settings can run. Pure."""
+    vllm = rollout.vllm
+
+    def require(ok: bool, key: str, value: Any, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'rollout.{key}' = {value!r}: {message}")
+
+    require(bool(vllm.urls), "vllm.urls", vllm.urls, "name at least one server")
+    for url in vllm.urls:
+        require(
+            url.startswith(("http://", "https://")),
+            "vllm.urls",
+            url,
+            "each server is a base URL such as http://127.0.0.1:8000",
+        )
+    require(0 < vllm.top_p <= 1, "vllm.top_p", vllm.top_p, "must be in (0, 1]")
+    require(vllm.startup_timeout_s > 0, "vllm.startup_timeout_s", vllm.startup_timeout_s, "> 0")
+    require(vllm.retry_s >= 0, "vllm.retry_s", vllm.retry_s, "must be >= 0")
+    require(
+        0 < vllm.gpu_memory_utilization <= 1,
+        "vllm.gpu_memory_utilization",
+        vllm.gpu_memory_utilization,
+        "must be in (0, 1]",
+    )
+    require(vllm.kv_cache_gb >= 0, "vllm.kv_cache_gb", vllm.kv_cache_gb, "must be >= 0")
+    require(
+        rollout.keep_weights > rollout.async_level,
+        "keep_weights",
+        rollout.keep_weights,
+        f"must be more than rollout.async_level = {rollout.async_level}: the servers load the "
+        "policy of up to async_level steps ago from weights/",
+    )
+    require(
+        rollout.publish != "adapter",
+        "publish",
+        rollout.publish,
+        'the vLLM engine reloads full weights into its servers; use "merged" (or "auto")',
     )
 
 

@@ -12,8 +12,8 @@ from fnt.rollout.engine import (
     InProcessEngine,
     check_prompt_lengths,
     reward_metrics,
-    rollout_groups,
     rollout_metrics,
+    score_groups,
 )
 from fnt.rollout.generate import Completion, generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, first_fit, pack_rollouts
@@ -41,7 +41,7 @@ __all__ = [
     "prompt_order",
     "render_prompt",
     "reward_metrics",
-    "rollout_groups",
+    "score_groups",
     "rollout_metrics",
     "sampling_seed",
     "step_prompts",

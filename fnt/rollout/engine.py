@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -40,7 +40,7 @@ from fnt.model import load_hf_model
 from fnt.parallel import check_batch_layout, rank_bounds, rank_share
 from fnt.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.advantages import group_advantages
-from fnt.rollout.generate import generate, sampling_seed
+from fnt.rollout.generate import Completion, generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.runtime import Runtime
@@ -70,22 +70,15 @@ def load_policy_(copy: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
         raise RuntimeError(f"the policy has weights the inference copy lacks: {result}")
 
 
-class InProcessEngine:
-    """Generates each step's rollouts with an unsharded inference copy of the policy.
-
-    Built once per run (it reads the tokenizer, the prompts and the reward, and loads the copy,
-    so setup errors surface before the first step); `rollout(state)` then makes the rollouts of
-    update state.progress.step + 1 from the weights `state` holds.
-    """
+class PromptRollouts:
+    """What every engine that samples rollouts from rollout.prompts shares (the in-process and
+    vLLM engines): the tokenizer, stop tokens, prompts, their order and the reward, all read once
+    so that setup errors surface before the first step; which prompts a step takes; and packing
+    a rank's scored samples into its RLBatch."""
 
     def __init__(self, config: RLConfig, runtime: Runtime) -> None:
         rollout = config.rollout
         dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-        if rollout.engine != "in_process":
-            raise ConfigError(
-                f"'rollout.engine' = {rollout.engine!r}: InProcessEngine runs the in-process "
-                "engine only"
-            )
         validate_rollout(rollout, dp_size=dp_size)
         check_batch_layout(
             config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
@@ -107,58 +100,14 @@ class InProcessEngine:
             seq_len=config.seq_len,
         )
         self.order = prompt_order(len(self.prompts), config.seed)
-        self.model = inference_copy(config, runtime)
-        self.background = AsyncRollouts(self) if rollout.async_level > 0 else None
 
-    def sync_weights_(self, policy: nn.Module) -> None:
-        """Load the live policy's weights into the copy; every rank calls it at the same point."""
-        load_policy_(self.model, policy_weights(policy))
+    def step_prompts(self, position: DataPosition) -> tuple[list[int], DataPosition]:
+        """The indices of the global prompts of the step at `position`, and the position after."""
+        return step_prompts(self.order, position, self.config.rollout.prompts_per_step)
 
-    def rollout(self, state: TrainState) -> RLBatch:
-        """This rank's RL batch for update state.progress.step + 1.
-
-        async_level 0: sampled from the policy's weights as `state` has them (the copy is synced
-        first; a collective under FSDP2). async_level k > 0: sampled from the policy after step
-        max(0, step - 1 - k), in the background (see `AsyncRollouts`).
-        """
-        if self.background is not None:
-            return self.background.rollout(state)
-        step, position = state.progress.step + 1, state.progress.data
-        self.order.check(position)
-        started = time.perf_counter()
-        self.sync_weights_(state.handles.model)
-        samples, after = self.sample(self.model, step, position)
-        return self.batch(samples, after, time.perf_counter() - started)
-
-    def sample(
-        self, model: nn.Module, step: int, position: DataPosition
-    ) -> tuple[list[RolloutSample], DataPosition]:
-        """This rank's scored samples of update `step` from `model`, and the prompt position after
-        the step. No collective, so it may run in a background thread."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
-        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-        prompt_ids, after = step_prompts(self.order, position, rollout.prompts_per_step)
-        lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
-        prompts = [
-            self.prompts[i]
-            for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
-        ]
-        generators = [
-            torch.Generator(device=runtime.device).manual_seed(
-                sampling_seed(config.seed, step, lo + i)
-            )
-            for i in range(len(prompts))
-        ]
-        samples = rollout_groups(
-            model,
-            prompts,
-            self.tokenizer,
-            self.reward_fn,
-            rollout,
-            generators,
-            stop_token_ids=self.stop_token_ids,
-        )
-        return samples, after
+    def score(self, prompts: Sequence[Prompt], groups) -> list[RolloutSample]:
+        """Each prompt's completions decoded, scored and given their group's advantages."""
+        return score_groups(prompts, groups, self.tokenizer, self.reward_fn, self.config.rollout)
 
     def batch(
         self,
@@ -195,6 +144,75 @@ class InProcessEngine:
             data_after=after,
             metrics=metrics,
         )
+
+
+class InProcessEngine(PromptRollouts):
+    """Generates each step's rollouts with an unsharded inference copy of the policy.
+
+    Built once per run (it reads the tokenizer, the prompts and the reward, and loads the copy,
+    so setup errors surface before the first step); `rollout(state)` then makes the rollouts of
+    update state.progress.step + 1 from the weights `state` holds.
+    """
+
+    def __init__(self, config: RLConfig, runtime: Runtime) -> None:
+        if config.rollout.engine != "in_process":
+            raise ConfigError(
+                f"'rollout.engine' = {config.rollout.engine!r}: InProcessEngine runs the "
+                "in-process engine only"
+            )
+        super().__init__(config, runtime)
+        self.model = inference_copy(config, runtime)
+        self.background = AsyncRollouts(self) if config.rollout.async_level > 0 else None
+
+    def sync_weights_(self, policy: nn.Module) -> None:
+        """Load the live policy's weights into the copy; every rank calls it at the same point."""
+        load_policy_(self.model, policy_weights(policy))
+
+    def rollout(self, state: TrainState) -> RLBatch:
+        """This rank's RL batch for update state.progress.step + 1.
+
+        async_level 0: sampled from the policy's weights as `state` has them (the copy is synced
+        first; a collective under FSDP2). async_level k > 0: sampled from the policy after step
+        max(0, step - 1 - k), in the background (see `AsyncRollouts`).
+        """
+        if self.background is not None:
+            return self.background.rollout(state)
+        step, position = state.progress.step + 1, state.progress.data
+        self.order.check(position)
+        started = time.perf_counter()
+        self.sync_weights_(state.handles.model)
+        samples, after = self.sample(self.model, step, position)
+        return self.batch(samples, after, time.perf_counter() - started)
+
+    def sample(
+        self, model: nn.Module, step: int, position: DataPosition
+    ) -> tuple[list[RolloutSample], DataPosition]:
+        """This rank's scored samples of update `step` from `model`, and the prompt position after
+        the step. No collective, so it may run in a background thread."""
+        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        prompt_ids, after = self.step_prompts(position)
+        lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
+        prompts = [
+            self.prompts[i]
+            for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
+        ]
+        generators = [
+            torch.Generator(device=runtime.device).manual_seed(
+                sampling_seed(config.seed, step, lo + i)
+            )
+            for i in range(len(prompts))
+        ]
+        groups = generate(
+            model,
+            [p.token_ids for p in prompts],
+            num_samples=rollout.group_size,
+            max_new_tokens=rollout.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            temperature=rollout.temperature,
+            generators=generators,
+        )
+        return self.score(prompts, groups), after
 
     def state_dict(self) -> dict[str, Any]:
         """The policies the background jobs of a resumed run need (async_level > 0), else {}."""
@@ -324,27 +342,15 @@ def check_prompt_lengths(
             )
 
 
-def rollout_groups(
-    model: nn.Module,
+def score_groups(
     prompts: Sequence[Prompt],
+    groups: Sequence[Sequence[Completion]],
     tokenizer,
     reward_fn: RewardFn,
     rollout: RolloutConfig,
-    generators: Sequence[torch.Generator],
-    *,
-    stop_token_ids: Collection[int],
 ) -> list[RolloutSample]:
-    """Sample the groups of all `prompts` in one decoding batch (prompt i's with generators[i]),
-    decode, score, and give each group its advantages; the samples in prompt order."""
-    groups = generate(
-        model,
-        [p.token_ids for p in prompts],
-        num_samples=rollout.group_size,
-        max_new_tokens=rollout.max_new_tokens,
-        stop_token_ids=stop_token_ids,
-        temperature=rollout.temperature,
-        generators=generators,
-    )
+    """Decode and score each prompt's completions (groups[i] are prompts[i]'s) and give each
+    group its advantages; the samples in prompt order."""
     samples: list[RolloutSample] = []
     for prompt, completions in zip(prompts, groups):
         texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]

@@ -352,10 +352,15 @@ PUBLISHED_FILE = "fnt_published.json"
 
 def published_kind(config: RLConfig) -> str:
     """What publish_weights_ writes: "full" (no LoRA), "adapter" (a PEFT adapter directory, the
-    default with LoRA: a few MB) or "merged" (a full model with the adapters merged in). Pure."""
+    default with LoRA for an external orchestrator: a few MB) or "merged" (a full model with the
+    adapters merged in; the default for the vLLM engine, whose servers reload full weights).
+    Pure."""
     if not config.model.lora.rank:
         return "full"
-    return "merged" if config.rollout.publish == "merged" else "adapter"
+    publish = config.rollout.publish
+    if publish == "auto":
+        publish = "merged" if config.rollout.engine == "vllm" else "adapter"
+    return publish
 
 
 def publish_weights_(state: TrainState) -> Optional[Path]:

