@@ -63,12 +63,13 @@ def train_sft(config: Config) -> None:
 def train_rl(config: RLConfig) -> None:
     from fnt.loop import run
     from fnt.rollout.external import publish_weights_
+    from fnt.rollout.vllm import publish_to_vllm_
     from fnt.sources import rl_source
     from steps import rl_step
 
     # The external and vLLM engines sample from the policies the run publishes.
-    publishes = config.rollout.engine in ("external", "vllm")
-    run(config, rl_step, rl_source, on_state=publish_weights_ if publishes else None)
+    publish = {"external": publish_weights_, "vllm": publish_to_vllm_}
+    run(config, rl_step, rl_source, on_state=publish.get(config.rollout.engine))
 
 
 def train(argv: list[str], cls: type, train_config) -> None:

@@ -183,6 +183,9 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.vllm.retry_s": MAY_CHANGE,
     "rollout.vllm.gpu_memory_utilization": MAY_CHANGE,
     "rollout.vllm.kv_cache_gb": MAY_CHANGE,
+    "rollout.vllm.weight_transfer": MAY_CHANGE,  # how the policy reaches the servers
+    "rollout.vllm.nccl_address": MAY_CHANGE,
+    "rollout.vllm.nccl_port": MAY_CHANGE,
 }
 
 

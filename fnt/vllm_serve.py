@@ -10,17 +10,27 @@ when it exists, else `vllm` on PATH) and runs it with the settings the engine re
 - --generation-config vllm: no sampling defaults from the model's generation_config.json, so
   the run's rollout settings are the only ones;
 - --max-model-len seq_len and the run's seed;
+- with rollout.vllm.weight_transfer = "nccl", --weight-transfer-config {"backend": "nccl"};
 - VLLM_SERVER_DEV_MODE=1, for the endpoints that reload weights (/collective_rpc,
   /update_weight_version); on a CPU, VLLM_CPU_KVCACHE_SPACE from rollout.vllm.kv_cache_gb.
 Arguments after `--` go to `vllm serve` as they are.
+
+`local_server` starts one on 127.0.0.1 for the demo, the benchmark and the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -80,6 +90,8 @@ def serve_command(
     ]
     if settings.model:
         command += ["--served-model-name", settings.model]
+    if settings.weight_transfer == "nccl":
+        command += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if settings.kv_cache_gb:
         if cuda:
@@ -122,3 +134,68 @@ def main(argv: list[str]) -> None:
         return
     print(f"fnt vllm-serve: {shown}", file=sys.stderr, flush=True)
     os.execvpe(command[0], command, {**os.environ, **env})
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A running server `local_server` started: its URL, and stop() to kill it."""
+
+    def __init__(self, url: str, process: subprocess.Popen) -> None:
+        self.url, self.process = url, process
+
+    def stop(self) -> None:
+        """Kill its process group (vllm serve and its engine processes) and wait for it."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended in between
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@contextlib.contextmanager
+def local_server(
+    config_args: Sequence[str],
+    log: Path,
+    *,
+    vllm: Optional[str] = None,
+    extra: Sequence[str] = (),
+    startup_timeout_s: float = 600.0,
+) -> Iterator[LocalServer]:
+    """A vLLM server on a free port of 127.0.0.1 for the RL run that `config_args` (fnt rl's
+    --config and --key=value arguments) describe, started with `fnt vllm-serve` in a process
+    group of its own, its output written to `log`. Yields it once /health answers; stops it on
+    exit. RuntimeError with the log's end when it exits or is not up in time."""
+    from fnt.rollout.vllm import RequestFailed, http_json
+
+    url = f"http://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "fnt", "vllm-serve", *config_args]
+    command += ["--rollout.engine", "vllm", "--rollout.vllm.urls", json.dumps([url])]
+    if vllm:
+        command += ["--vllm", vllm]
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [*command, "--", *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = LocalServer(url, process)
+    try:
+        started = time.monotonic()
+        while True:
+            try:
+                http_json(url + "/health", None, 10.0)
+                break
+            except RequestFailed:
+                pass
+            exited = process.poll() is not None
+            if exited or time.monotonic() - started > startup_timeout_s:
+                state = "exited" if exited else f"was not healthy after {startup_timeout_s:g} s"
+                tail = log.read_text(errors="replace")[-6000:]
+                raise RuntimeError(f"the vLLM server at {url} {state}; the end of {log}:\n{tail}")
+            time.sleep(1.0)
+        yield server
+    finally:
+        server.stop()

@@ -21,7 +21,15 @@ Times are the median over the steps after --warmup warm-up steps; the two sides 
 by step so that machine noise hits both alike. `--async-level K` runs fnt with
 rollout.async_level = K (rollouts of the next step generated while this one trains).
 
+`--engine vllm` compares fnt's two engines instead, on the same task and prompts: fnt with
+rollout.engine = "vllm" (a vLLM server, started here with `fnt vllm-serve` unless --vllm-url
+names one, reloads the policy each step publishes; publishing is part of its step time) against
+fnt with the in-process engine. It reports seconds per step and generation tokens per second
+(rollout/tokens_per_second: the step's completion tokens over the time spent producing them,
+loading the weights into the server included).
+
     python scripts/bench_rl.py [--steps 12] [--warmup 2] [--model DIR --prompts FILE] [--work DIR]
+                               [--engine vllm [--vllm-url URL | --vllm PROGRAM]]
 """
 
 from __future__ import annotations
@@ -63,18 +71,24 @@ def demo_inputs(work: Path) -> tuple[Path, Path]:
     return model, data / "rl.jsonl"
 
 
-def fnt_config(model: Path, prompts: Path, out: Path, async_level: int):
-    from fnt.config import RLConfig, load_config
-
-    argv = [
+def task_args(model: Path, prompts: Path) -> list[str]:
+    """The config arguments of the task both sides run (the demo's RL stage)."""
+    return [
         "--config",
         str(DEMO / "rl.toml"),
         f"--model.name={model}",
         f"--rollout.prompts={prompts}",
-        f"--output_dir={out}",
     ]
-    if async_level:
-        argv.append(f"--rollout.async_level={async_level}")
+
+
+# The vLLM engine's settings for a local CPU server (as the demo's): a small KV cache is plenty.
+VLLM_SETTINGS = ["--rollout.vllm.kv_cache_gb=1", "--rollout.vllm.gpu_memory_utilization=0.3"]
+
+
+def fnt_config(task: list[str], out: Path, async_level: int, *extra: str):
+    from fnt.config import RLConfig, load_config
+
+    argv = [*task, f"--output_dir={out}", f"--rollout.async_level={async_level}", *extra]
     config, _ = load_config(argv, RLConfig)
     return config
 
@@ -175,51 +189,102 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12, help="measured steps per side")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
-    p.add_argument("--model", type=Path, help="model directory (default: the demo's base model)")
-    p.add_argument("--prompts", type=Path, help="prompts JSONL (default: the demo's RL prompts)")
-    p.add_argument("--work", type=Path, help="where the demo's model, data and run go")
-    p.add_argument("--async-level", type=int, default=0, help="fnt's rollout.async_level")
-    args = p.parse_args()
+def compare_engines(args, task: list[str], work: Path, url: str) -> dict:
+    """fnt with the vLLM engine against fnt with the in-process engine, step by step in turn;
+    prints the table and returns the JSON result."""
+    from fnt import init_state, rl_source, setup_trainer, to_floats
+    from fnt.rollout.vllm import publish_to_vllm_
+    from steps import rl_step
 
-    with tempfile.TemporaryDirectory() as tmp:
-        work = args.work or Path(tmp)
-        model, prompts = demo_inputs(work)
-        model, prompts = args.model or model, args.prompts or prompts
-        from fnt import init_state, rl_source, setup_trainer, to_floats
-        from fnt.rollout.prompts import step_prompts
-        from steps import rl_step
-
-        config = fnt_config(model, prompts, work / "fnt-run", args.async_level)
-        runtime = setup_trainer(config)  # one torch thread, as the demo's runtime.num_threads
-        state = init_state(config, runtime)
-        engine = state.handles.rollouts
-        bare = Bare(config, model)
-
-        times = {k: [] for k in ("fnt_rollout", "fnt_update", "bare_rollout", "bare_update")}
-        staleness = []
-        rewards = {"fnt": [], "bare": []}
-        for i in range(args.warmup + args.steps):
-            # The same prompts for both: the ones fnt's engine takes for this step.
-            ids, _ = step_prompts(
-                engine.order, state.progress.data, config.rollout.prompts_per_step
-            )
-            step_prompts_ = [engine.prompts[j] for j in ids]
-            state, f_roll, f_upd, row = fnt_step(state, rl_source, rl_step, to_floats)
-            b_roll, b_upd, b_reward = bare.step(step_prompts_, seed=config.seed * 1000 + i)
-            rewards["fnt"].append(row["reward/mean"])
-            rewards["bare"].append(b_reward)
-            if "rollout/staleness" in row:
-                staleness.append(row["rollout/staleness"])
+    vllm_args = [
+        *VLLM_SETTINGS,
+        "--rollout.engine=vllm",
+        f"--rollout.vllm.urls={json.dumps([url])}",
+    ]
+    configs = {
+        "vllm": fnt_config(task, work / "fnt-vllm", args.async_level, *vllm_args),
+        "in_process": fnt_config(task, work / "fnt-in-process", args.async_level),
+    }
+    runtime = setup_trainer(configs["vllm"])
+    states = {side: init_state(config, runtime) for side, config in configs.items()}
+    publish_to_vllm_(states["vllm"])  # the driver publishes the start policy before step 1
+    step_s = {side: [] for side in states}
+    tokens_per_s = {side: [] for side in states}
+    rewards = {side: [] for side in states}
+    for i in range(args.warmup + args.steps):
+        for side, state in states.items():
+            started = time.perf_counter()
+            state, _, _, row = fnt_step(state, rl_source, rl_step, to_floats)
+            if side == "vllm":
+                publish_to_vllm_(state)  # the next step's policy, for the server to load
+            elapsed = time.perf_counter() - started
+            states[side] = state
+            rewards[side].append(row["reward/mean"])
             if i >= args.warmup:
-                for key, value in zip(times, (f_roll, f_upd, b_roll, b_upd)):
-                    times[key].append(value)
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+                step_s[side].append(elapsed)
+                tokens_per_s[side].append(row["rollout/tokens_per_second"])
+    for state in states.values():
+        state.handles.rollouts.close()
+
+    rollout = configs["vllm"].rollout
+    print(
+        f"shape: {rollout.prompts_per_step} prompts x {rollout.group_size} samples, "
+        f"temperature {rollout.temperature}, {rollout.max_new_tokens} new tokens, "
+        f"async_level {args.async_level}, median of {args.steps} steps after {args.warmup}"
+    )
+    print(f"{'engine':11} {'step s':>8} {'generation tok/s':>17} {'reward':>7}")
+    for side in states:
+        print(
+            f"{side:11} {median(step_s[side]):8.3f} {median(tokens_per_s[side]):17.0f} "
+            f"{statistics.fmean(rewards[side]):7.3f}"
+        )
+    step_ratio = median(step_s["vllm"]) / median(step_s["in_process"])
+    speed_ratio = median(tokens_per_s["vllm"]) / median(tokens_per_s["in_process"])
+    print(f"step time vllm / in_process = {step_ratio:.3f}; generation speed = {speed_ratio:.3f}")
+    return {
+        "engine": "vllm",
+        "vllm_step_s": median(step_s["vllm"]),
+        "in_process_step_s": median(step_s["in_process"]),
+        "step_ratio": step_ratio,
+        "vllm_generation_tok_s": median(tokens_per_s["vllm"]),
+        "in_process_generation_tok_s": median(tokens_per_s["in_process"]),
+        "generation_speed_ratio": speed_ratio,
+        "vllm_reward_mean": statistics.fmean(rewards["vllm"]),
+        "in_process_reward_mean": statistics.fmean(rewards["in_process"]),
+        "async_level": args.async_level,
+        "steps": args.steps,
+    }
+
+
+def compare_with_bare(args, task: list[str], model: Path, work: Path) -> dict:
+    """fnt (in-process engine) against the bare loop; prints the table, returns the result."""
+    from fnt import init_state, rl_source, setup_trainer, to_floats
+    from fnt.rollout.prompts import step_prompts
+    from steps import rl_step
+
+    config = fnt_config(task, work / "fnt-run", args.async_level)
+    runtime = setup_trainer(config)  # one torch thread, as the demo's runtime.num_threads
+    state = init_state(config, runtime)
+    engine = state.handles.rollouts
+    bare = Bare(config, model)
+
+    times = {k: [] for k in ("fnt_rollout", "fnt_update", "bare_rollout", "bare_update")}
+    staleness = []
+    rewards = {"fnt": [], "bare": []}
+    for i in range(args.warmup + args.steps):
+        # The same prompts for both: the ones fnt's engine takes for this step.
+        ids, _ = step_prompts(engine.order, state.progress.data, config.rollout.prompts_per_step)
+        step_prompts_ = [engine.prompts[j] for j in ids]
+        state, f_roll, f_upd, row = fnt_step(state, rl_source, rl_step, to_floats)
+        b_roll, b_upd, b_reward = bare.step(step_prompts_, seed=config.seed * 1000 + i)
+        rewards["fnt"].append(row["reward/mean"])
+        rewards["bare"].append(b_reward)
+        if "rollout/staleness" in row:
+            staleness.append(row["rollout/staleness"])
+        if i >= args.warmup:
+            for key, value in zip(times, (f_roll, f_upd, b_roll, b_upd)):
+                times[key].append(value)
+    engine.close()
 
     med = {k: median(v) for k, v in times.items()}
     fnt_total = median([a + b for a, b in zip(times["fnt_rollout"], times["fnt_update"])])
@@ -252,6 +317,43 @@ def main() -> None:
     }
     if staleness:
         result["fnt_staleness_mean"] = statistics.fmean(staleness)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12, help="measured steps per side")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--model", type=Path, help="model directory (default: the demo's base model)")
+    p.add_argument("--prompts", type=Path, help="prompts JSONL (default: the demo's RL prompts)")
+    p.add_argument("--work", type=Path, help="where the demo's model, data and run go")
+    p.add_argument("--async-level", type=int, default=0, help="fnt's rollout.async_level")
+    p.add_argument(
+        "--engine",
+        choices=("in_process", "vllm"),
+        default="in_process",
+        help="in_process: fnt against a bare loop; vllm: fnt's vLLM engine against in-process",
+    )
+    p.add_argument("--vllm-url", help="a running vLLM server for the run (else one is started)")
+    p.add_argument("--vllm", help="the vllm program to start (default: $FNT_VLLM, .venv-vllm)")
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        model, prompts = demo_inputs(work)
+        model, prompts = args.model or model, args.prompts or prompts
+        task = task_args(model, prompts)
+        if args.engine == "in_process":
+            result = compare_with_bare(args, task, model, work)
+        elif args.vllm_url:
+            result = compare_engines(args, task, work, args.vllm_url)
+        else:
+            from fnt.vllm_serve import has_cuda, local_server
+
+            extra = [] if has_cuda() else ["--enforce-eager"]  # as the demo starts it
+            log = work / "vllm-server.log"
+            with local_server([*task, *VLLM_SETTINGS], log, vllm=args.vllm, extra=extra) as server:
+                result = compare_engines(args, task, work, server.url)
     print(json.dumps(result))
 
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU machine, in at most 8 minutes on one GPU:
-#   1. the gpu-marked tests (varlen attention: packed == alone),
+# The prepared check for a lent GPU machine, in at most 13 minutes on one GPU:
+#   1. the gpu-marked tests (varlen attention: packed == alone; without vLLM),
 #   2. the memory benchmark up to seq_len 8192 (scripts/bench_memory.py),
 #   3. a throughput run at a real shape (scripts/bench_throughput.py: Qwen3-0.6B-shaped random
-#      weights, bf16 compute, seq_len 8192, a varlen kernel if flash-attn is installed).
+#      weights, bf16 compute, seq_len 8192, a varlen kernel if flash-attn is installed),
+#   4. where vllm is importable: the vLLM engine on the GPU: the gpu-marked vLLM tests (RL with
+#      the policy sent over NCCL) and scripts/bench_rl.py --engine vllm (the reverse-text task:
+#      seconds per step and generation tokens/s against the in-process engine).
 # Usage, from the repository root on the GPU machine: bash scripts/gpu_check.sh [OUT_DIR]
 # Each part has its own time limit, so one that hangs cannot eat the others' time; every log and
 # the JSON lines land in OUT_DIR (default gpu-check/), and the summary is printed last.
@@ -23,16 +26,33 @@ fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
   | tee "$OUT/env.log"
 
-timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 120 "$PY" -m pytest -q -m "gpu and not vllm" -p no:cacheprovider tests 2>&1 \
+  | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 180 "$PY" scripts/bench_memory.py --seq-lens 1024,2048,4096,8192 --skip-ranks \
+timeout 150 "$PY" scripts/bench_memory.py --seq-lens 1024,2048,4096,8192 --skip-ranks \
   --work "$OUT/models" 2>&1 | tee "$OUT/bench_memory.log"
 memory_rc=${PIPESTATUS[0]}
-timeout 180 "$PY" scripts/bench_throughput.py --seq-len 8192 --steps 6 --work "$OUT/throughput" \
+timeout 150 "$PY" scripts/bench_throughput.py --seq-len 8192 --steps 6 --work "$OUT/throughput" \
   2>&1 | tee "$OUT/bench_throughput.log"
 throughput_rc=${PIPESTATUS[0]}
 
-echo "gpu tests rc=$tests_rc, memory benchmark rc=$memory_rc, throughput rc=$throughput_rc"
+vllm_rc=0
+if "$PY" -c "import vllm" 2>/dev/null; then
+  export FNT_VLLM=${FNT_VLLM:-$(command -v vllm)}
+  timeout 180 "$PY" -m pytest -q -m "gpu and vllm" -p no:cacheprovider tests 2>&1 \
+    | tee "$OUT/vllm_tests.log"
+  vllm_tests_rc=${PIPESTATUS[0]}
+  timeout 180 "$PY" scripts/bench_rl.py --engine vllm --steps 6 --work "$OUT/bench_rl" 2>&1 \
+    | tee "$OUT/bench_rl_vllm.log"
+  vllm_rc=$vllm_tests_rc${PIPESTATUS[0]}
+  tail -n 1 "$OUT/bench_rl_vllm.log"
+else
+  echo "vllm is not importable here: the vLLM parts did not run" | tee "$OUT/vllm_tests.log"
+  vllm_rc=missing
+fi
+
+echo "gpu tests rc=$tests_rc, memory benchmark rc=$memory_rc, throughput rc=$throughput_rc," \
+  "vllm (tests, benchmark) rc=$vllm_rc"
 tail -n 1 "$OUT/bench_memory.log"
 tail -n 1 "$OUT/bench_throughput.log"
-[ "$tests_rc$memory_rc$throughput_rc" = "000" ]
+[ "$tests_rc$memory_rc$throughput_rc$vllm_rc" = "00000" ]

@@ -21,7 +21,8 @@ def test_the_gpu_check_parses_and_runs_existing_parts():
     text = SCRIPT.read_text()
     for path in re.findall(r"scripts/\w+\.py", text):
         assert (REPO / path).is_file(), path
-    assert "-m gpu" in text  # the gpu-marked tests are the first part
+    assert '-m "gpu and not vllm"' in text  # the gpu-marked tests are the first part
+    assert '-m "gpu and vllm"' in text and "bench_rl.py --engine vllm" in text
 
 
 def run_json(*args: str, timeout: float) -> dict:

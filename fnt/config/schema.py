@@ -348,6 +348,12 @@ class VLLMConfig:
     """fnt vllm-serve: the memory fraction vLLM takes (on CPU, of the RAM; --kv-cache-gb wins)."""
     kv_cache_gb: float = 0.0
     """fnt vllm-serve: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU); 0: vLLM's choice."""
+    weight_transfer: Literal["disk", "nccl"] = "disk"
+    """disk: servers reload weights/step_N/; nccl (GPU, vllm importable here): sent over NCCL."""
+    nccl_address: str = "127.0.0.1"
+    """weight_transfer = nccl: this trainer's address as the servers reach it (rank 0's host)."""
+    nccl_port: int = 29600
+    """weight_transfer = nccl: rank 0 listens for server i's NCCL group on nccl_port + i."""
 
 
 @dataclass_json

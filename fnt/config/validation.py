@@ -305,6 +305,19 @@ def validate_vllm(rollout: RolloutConfig) -> None:
         rollout.publish,
         'the vLLM engine reloads full weights into its servers; use "merged" (or "auto")',
     )
+    require(
+        vllm.weight_transfer == "disk" or rollout.async_level == 0,
+        "vllm.weight_transfer",
+        vllm.weight_transfer,
+        f"needs rollout.async_level = 0 (it is {rollout.async_level}): over NCCL the servers "
+        "get each policy as its step ends, so they hold no older one to sample from",
+    )
+    require(
+        0 < vllm.nccl_port and vllm.nccl_port + len(vllm.urls) <= 65536,
+        "vllm.nccl_port",
+        vllm.nccl_port,
+        "must leave a TCP port for each server (nccl_port + i)",
+    )
 
 
 def _get(config: Any, dotted: str) -> Any:

@@ -105,6 +105,20 @@ class PromptRollouts:
         """The indices of the global prompts of the step at `position`, and the position after."""
         return step_prompts(self.order, position, self.config.rollout.prompts_per_step)
 
+    def jobs_ahead(
+        self, jobs: dict, step: int, position: DataPosition, k: int
+    ) -> list[tuple[int, DataPosition]]:
+        """The (update, data position) keys of updates step .. step + k (not past max_steps),
+        each at the position the one before leaves. Queued jobs off this chain (a state the
+        queue did not expect: another step or position) are cancelled and dropped from `jobs`."""
+        wanted = []
+        for j in range(step, max(step, min(step + k, self.config.max_steps)) + 1):
+            wanted.append((j, position))
+            _, position = self.step_prompts(position)
+        for key in [key for key in jobs if key not in wanted]:
+            jobs.pop(key).cancel()
+        return wanted
+
     def score(self, prompts: Sequence[Prompt], groups) -> list[RolloutSample]:
         """Each prompt's completions decoded, scored and given their group's advantages."""
         return score_groups(prompts, groups, self.tokenizer, self.reward_fn, self.config.rollout)
@@ -270,14 +284,7 @@ class AsyncRollouts:
         step, position = state.progress.step + 1, state.progress.data
         engine.order.check(position)
         started = time.perf_counter()
-        per_step = engine.config.rollout.prompts_per_step
-        wanted = []
-        for j in range(step, max(step, min(step + k, engine.config.max_steps)) + 1):
-            wanted.append((j, position))
-            _, position = step_prompts(engine.order, position, per_step)
-        # A state off the expected chain (another step or position) makes the queue stale.
-        for key in [key for key in self.jobs if key not in wanted]:
-            self.jobs.pop(key).cancel()
+        wanted = engine.jobs_ahead(self.jobs, step, position, k)
         for j, at in wanted:
             if (j, at) in self.jobs:
                 continue

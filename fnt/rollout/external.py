@@ -21,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.collectives import full_state_dict
@@ -46,6 +46,9 @@ from fnt.runtime import Runtime
 from fnt.state import Stateless, TrainState
 from fnt.tokenizer import load_tokenizer, pad_token_id
 from fnt.transaction import begin_dir_, commit_dir_
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 POLL_SECONDS = 0.05
 
@@ -363,6 +366,19 @@ def published_kind(config: RLConfig) -> str:
     return publish
 
 
+def policy_weights(state: TrainState, *, cpu_offload: bool) -> Optional[dict[str, Tensor]]:
+    """The policy as a Hugging Face state dict, gathered by every rank (a collective under
+    FSDP2), LoRA adapters merged in and tied duplicates left out: rank 0's, None elsewhere.
+    For a full or merged publish (not an adapter one)."""
+    config, model = state.config, state.handles.model
+    weights = full_state_dict(model, cpu_offload=cpu_offload)
+    if not state.handles.runtime.is_main:
+        return None
+    if published_kind(config) == "merged":
+        weights = merge_adapters_(weights, config.model.lora)
+    return without_tied_duplicates(model, weights)
+
+
 def publish_weights_(state: TrainState) -> Optional[Path]:
     """Write the current policy to weights/step_{progress.step}/ as a transaction; keep the newest.
 
@@ -375,7 +391,10 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     """
     config, runtime, model = state.config, state.handles.runtime, state.handles.model
     kind = published_kind(config)
-    weights = full_state_dict(model, cpu_offload=True, trained_only=kind == "adapter")
+    if kind == "adapter":
+        weights = full_state_dict(model, cpu_offload=True, trained_only=True)
+    else:
+        weights = policy_weights(state, cpu_offload=True)
     if not runtime.is_main:
         return None
     final = weights_dir(config.output_dir, state.progress.step)
@@ -383,11 +402,7 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
     if kind == "adapter":
         save_adapter_(partial, model, weights, config.model.name)
     else:
-        if kind == "merged":
-            weights = merge_adapters_(weights, config.model.lora)
-        model.save_pretrained(
-            partial, state_dict=without_tied_duplicates(model, weights), safe_serialization=True
-        )
+        model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
     load_tokenizer(config.model.name).save_pretrained(partial)
     record = {"kind": kind, "step": state.progress.step}
     (partial / PUBLISHED_FILE).write_text(json.dumps(record) + "\n")

@@ -46,7 +46,7 @@ from fnt.config import ConfigError, RLConfig, RolloutConfig
 from fnt.errors import DataError, ServerError
 from fnt.parallel import rank_share
 from fnt.rollout.engine import PromptRollouts, rollout_policy_step
-from fnt.rollout.external import LOGPROB_SLACK, as_float32, weights_dir
+from fnt.rollout.external import LOGPROB_SLACK, as_float32, publish_weights_, weights_dir
 from fnt.rollout.generate import Completion
 from fnt.rollout.pack import RolloutSample
 from fnt.rundir import COMPLETE_MARKER
@@ -266,11 +266,27 @@ class VLLMEngine(PromptRollouts, Stateless):
         for server in self.servers:
             server.wait_healthy(rollout.vllm.startup_timeout_s)
         self.model_name = rollout.vllm.model or self.servers[0].served_model()
+        self.sender = None
+        if rollout.vllm.weight_transfer == "nccl":
+            from fnt.rollout.vllm_nccl import NcclWeightSender
+
+            self.sender = NcclWeightSender(config)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-vllm")
         self.requests = ThreadPoolExecutor(
             max_workers=REQUESTS_PER_SERVER * len(self.servers),
             thread_name_prefix="fnt-vllm-request",
         )
+
+    def publish_(self, state: TrainState) -> None:
+        """The driver's on_state, every rank: make the policy of `state` available to the
+        servers: in weights/step_N/ (weight_transfer = "disk", loaded by the job that needs it)
+        or, over NCCL, into the servers now (fnt.rollout.vllm_nccl)."""
+        if self.config.rollout.vllm.weight_transfer == "disk":
+            publish_weights_(state)
+        else:
+            from fnt.rollout.vllm_nccl import send_policy_
+
+            send_policy_(state, self.sender if self.runtime.is_main else None, self.servers)
 
     def policy_step(self, step: int) -> int:
         """The policy step whose weights sample the rollouts of update `step`."""
@@ -299,12 +315,7 @@ class VLLMEngine(PromptRollouts, Stateless):
         """Rank 0: queue the generation jobs of updates step .. step + k (not past max_steps)
         that are not queued yet, drop those off this chain (a state it did not expect), and
         wait for update `step`'s: (samples, position after, generation seconds, policy step)."""
-        wanted = []
-        for j in range(step, max(step, min(step + self.k, self.config.max_steps)) + 1):
-            wanted.append((j, position))
-            _, position = self.step_prompts(position)
-        for key in [key for key in self.jobs if key not in wanted]:
-            self.jobs.pop(key).cancel()
+        wanted = self.jobs_ahead(self.jobs, step, position, self.k)
         for j, at in wanted:
             if (j, at) not in self.jobs:
                 self.jobs[(j, at)] = self.pool.submit(self.generate, j, at, self.policy_step(j))
@@ -314,15 +325,7 @@ class VLLMEngine(PromptRollouts, Stateless):
         """Rank 0's job (background thread): the scored samples of update `step` from the policy
         after step `version`, loaded into every server first."""
         started = time.perf_counter()
-        directory = weights_dir(self.config.output_dir, version)
-        if not (directory / COMPLETE_MARKER).is_file():
-            raise RuntimeError(
-                f"{directory}: the policy of step {version} was not published (the driver "
-                "publishes every step's policy before it asks for the next rollouts)"
-            )
-        for server in self.servers:
-            if server.version != version:
-                server.load_weights(directory, version)
+        self.load_policy(version)
         prompt_ids, after = self.step_prompts(position)
         prompts = [self.prompts[i] for i in prompt_ids]
         rollout = self.config.rollout
@@ -341,6 +344,22 @@ class VLLMEngine(PromptRollouts, Stateless):
         samples: list[RolloutSample] = self.score(prompts, groups)
         return samples, after, time.perf_counter() - started, version
 
+    def load_policy(self, version: int) -> None:
+        """Make every server hold the policy after step `version` (from weights/ on disk; over
+        NCCL the driver sent it already)."""
+        held = [server for server in self.servers if server.version == version]
+        if len(held) == len(self.servers):
+            return
+        directory = weights_dir(self.config.output_dir, version)
+        if self.sender is not None or not (directory / COMPLETE_MARKER).is_file():
+            raise RuntimeError(
+                f"the policy of step {version} was not published (the driver publishes every "
+                "step's policy before it asks for the next rollouts)"
+            )
+        for server in self.servers:
+            if server.version != version:
+                server.load_weights(directory, version)
+
     def complete(self, server: ServerClient, body: dict, where: str) -> tuple[Completion, ...]:
         response = server.call("/v1/completions", body, "sampling completions")
         return parse_completions(
@@ -357,3 +376,10 @@ class VLLMEngine(PromptRollouts, Stateless):
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.requests.shutdown(wait=True, cancel_futures=True)
             self.jobs.clear()
+            if self.sender is not None:
+                self.sender.close()
+
+
+def publish_to_vllm_(state: TrainState) -> None:
+    """The driver's on_state with the vLLM engine: its publish_ (every rank)."""
+    state.handles.rollouts.publish_(state)

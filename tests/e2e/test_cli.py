@@ -151,7 +151,7 @@ def test_under_torchrun_only_rank_0_prints_a_bad_input_and_the_report_ends_with_
     tiny_model_dir, tmp_path
 ):
     """torchrun follows a failed worker with a failure report of its own; each worker leaves its
-    `error:` line in torchrun's error file, so the report's entries end with that line."""
+    `error:` line in torchrun's error file, so the report ends with that line."""
     args, message = _bad_inputs(tiny_model_dir, tmp_path)["missing data file"]
     proc = run_script("fnt", *args, nproc=2, check=False, module=True, timeout=120)
     assert proc.returncode != 0
@@ -159,7 +159,9 @@ def test_under_torchrun_only_rank_0_prints_a_bad_input_and_the_report_ends_with_
     (error,) = [line for line in lines if line.startswith("error: ")]
     assert message in error, proc.stderr[-3000:]
     assert lines[-1].startswith("=====") and lines[-2] == f"  traceback : {error}", lines[-12:]
-    assert proc.stderr.count(f"  traceback : {error}") == 2  # one entry per rank
+    # The report's root cause (the first worker to fail) is the last entry; torchrun stops the
+    # other worker then, which may end before writing its own line, so it may show a signal.
+    assert proc.stderr.count(f"  traceback : {error}") >= 1
     assert "To enable traceback" not in proc.stderr
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from fnt.config import RolloutConfig, VLLMConfig
 from fnt.rollout.vllm import ServerClient, completion_request, parse_completions
 from fnt.tokenizer import load_tokenizer, stop_token_ids
+from fnt.vllm_serve import local_server
 from tests.e2e.helpers import REPO, read_metrics, run_cli
 
 pytestmark = pytest.mark.vllm
@@ -32,12 +31,6 @@ EXAMPLE = REPO / "examples" / "reverse_text"
 VLLM = os.environ.get("FNT_VLLM", str(REPO / ".venv-vllm" / "bin" / "vllm"))
 # The server's logprobs of its own samples and the trainer's recomputation, both float32.
 LOGPROB_ATOL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -71,55 +64,34 @@ def reverse_sft(tmp_path_factory) -> dict[str, Path]:
     return {"model": hf, "prompts": data / "rl.jsonl"}
 
 
-def serve_args(model: Path, prompts: Path, url: str) -> list[str]:
+def serve_args(model: Path, prompts: Path) -> list[str]:
     """The config keys `fnt vllm-serve` and `fnt rl` share in these tests."""
     return [
         *("--config", str(EXAMPLE / "rl.toml"), "--model.name", str(model)),
         *("--rollout.prompts", str(prompts), "--rollout.engine", "vllm"),
-        *("--rollout.vllm.urls", json.dumps([url]), "--rollout.vllm.kv_cache_gb", "1"),
+        "--rollout.vllm.kv_cache_gb=1",
         # On a CPU the fraction is of the NUMA node's RAM; the KV cache size above is what
         # counts, this only has to pass vLLM's start-up check on a busy machine.
-        *("--rollout.vllm.gpu_memory_utilization", "0.3"),
+        "--rollout.vllm.gpu_memory_utilization=0.3",
     ]
 
 
-def start_server(model: Path, prompts: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """`fnt vllm-serve` on a free port, in a process group of its own; waits for /health."""
-    url = f"http://127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "fnt", "vllm-serve", "--vllm", VLLM]
-    with open(log, "w") as out:
-        server = subprocess.Popen(
-            [*command, *serve_args(model, prompts, url), "--", "--enforce-eager"],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        ServerClient(url, timeout_s=10, retry_s=0).wait_healthy(600)
-    except Exception:
-        stop_server(server)
-        raise AssertionError(f"the vLLM server did not start:\n{log.read_text()[-6000:]}")
-    return server, url
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        os.killpg(server.pid, signal.SIGKILL)
-    server.wait()
+def serving(reverse_sft, log: Path):
+    """A server started as a user starts it (`fnt vllm-serve`), for the reverse-text model."""
+    args = serve_args(reverse_sft["model"], reverse_sft["prompts"])
+    return local_server(args, log, vllm=VLLM, extra=["--enforce-eager"])
 
 
 @pytest.fixture(scope="module")
 def server(reverse_sft, tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    process, url = start_server(reverse_sft["model"], reverse_sft["prompts"], log)
-    yield url
-    stop_server(process)
+    with serving(reverse_sft, tmp_path_factory.mktemp("vllm") / "server.log") as served:
+        yield served.url
 
 
 def rl_args(reverse_sft, url: str, out: Path, *extra: str) -> list[str]:
     return [
-        *serve_args(reverse_sft["model"], reverse_sft["prompts"], url),
+        *serve_args(reverse_sft["model"], reverse_sft["prompts"]),
+        *("--rollout.vllm.urls", json.dumps([url])),
         *("--output-dir", str(out), "--rollout.prompts-per-step", "8"),
         *("--batch-size", "16", "--rollout.vllm.retry-s", "3"),
         *extra,
@@ -210,26 +182,23 @@ def test_async_level_1_samples_from_the_policy_one_step_behind(server, reverse_s
 
 
 def test_a_killed_server_stops_the_run_with_one_line_and_it_resumes(server, reverse_sft, tmp_path):
-    doomed, doomed_url = start_server(
-        reverse_sft["model"], reverse_sft["prompts"], tmp_path / "doomed.log"
-    )
     out = tmp_path / "run"
     metrics = out / "metrics.jsonl"
+    with serving(reverse_sft, tmp_path / "doomed.log") as doomed:
 
-    def kill_after_row_3():
-        while doomed.poll() is None:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
-                stop_server(doomed)
-            time.sleep(0.05)
+        def kill_after_row_3():
+            while doomed.process.poll() is None:
+                if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+                    doomed.stop()
+                time.sleep(0.05)
 
-    killer = threading.Thread(target=kill_after_row_3, daemon=True)
-    killer.start()
-    args = rl_args(reverse_sft, doomed_url, out, "--max-steps", "6", "--ckpt.interval", "2")
-    try:
+        killer = threading.Thread(target=kill_after_row_3, daemon=True)
+        killer.start()
+        args = rl_args(reverse_sft, doomed.url, out, "--max-steps", "6", "--ckpt.interval", "2")
         failed = run_cli("rl", *args, check=False)
-    finally:
-        stop_server(doomed)
+        doomed.stop()
         killer.join()
+    doomed_url = doomed.url
     assert failed.returncode == 3, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and doomed_url in errors[0] and "gave up" in errors[0], errors
@@ -245,3 +214,23 @@ def test_a_killed_server_stops_the_run_with_one_line_and_it_resumes(server, reve
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
     assert held["weight_version"] == "5"
+
+
+@pytest.mark.gpu
+def test_over_nccl_the_server_generates_from_each_new_policy(reverse_sft, tmp_path):
+    """rollout.vllm.weight_transfer = "nccl" on a GPU machine (vLLM importable in fnt's
+    environment): the policies reach the server without weights/ on disk."""
+    from fnt.vllm_serve import free_port
+
+    nccl = ["--rollout.vllm.weight_transfer=nccl", f"--rollout.vllm.nccl_port={free_port()}"]
+    args = [*serve_args(reverse_sft["model"], reverse_sft["prompts"]), *nccl]
+    with local_server(args, tmp_path / "server.log", vllm=VLLM) as served:
+        out = tmp_path / "run"
+        run_cli("rl", *rl_args(reverse_sft, served.url, out, "--max-steps", "4", *nccl))
+        held = ServerClient(served.url, timeout_s=10, retry_s=0).call("/weight_info", None, "")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert held["weight_version"] == "3"
+    # Had the server kept older weights, its logprobs would differ from the trainer's.
+    assert all(r["mismatch_kl/all/mean"] < 1e-4 for r in rows), rows
+    assert not list((out / "weights").glob("step_*"))

@@ -260,6 +260,11 @@ def vllm_config(**rollout) -> RLConfig:
         (dict(async_level=2, keep_weights=2), "'rollout.keep_weights' = 2: must be more than"),
         (dict(publish="adapter"), "'rollout.publish' = 'adapter'"),
         (dict(prompts=""), "'rollout.prompts'"),
+        (
+            dict(async_level=1, keep_weights=2, vllm=VLLMConfig(weight_transfer="nccl")),
+            "'rollout.vllm.weight_transfer' = 'nccl': needs rollout.async_level = 0",
+        ),
+        (dict(vllm=VLLMConfig(nccl_port=65536)), "'rollout.vllm.nccl_port' = 65536"),
     ],
 )
 def test_bad_vllm_settings_name_the_key(rollout, message):
@@ -302,10 +307,81 @@ def test_the_serve_command_has_the_settings_the_engine_relies_on():
         assert part in line
     assert command[-1] == "--enforce-eager"
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert "--weight-transfer-config" not in command
     command, env = serve_command(config, "vllm", cuda=True)
     assert "--kv-cache-memory-bytes" in command and "VLLM_CPU_KVCACHE_SPACE" not in env
+    nccl = dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, vllm=VLLMConfig(weight_transfer="nccl"))
+    )
+    command, _ = serve_command(nccl, "vllm", cuda=True)
+    at = command.index("--weight-transfer-config")
+    assert json.loads(command[at + 1]) == {"backend": "nccl"}
     no_port = vllm_config(vllm=VLLMConfig(urls=("http://host",)))
     with pytest.raises(ConfigError, match="name the port"):
         serve_command(no_port, "vllm", cuda=False)
     with pytest.raises(ConfigError, match="--index 1"):
         serve_command(config, "vllm", index=1, cuda=False)
+
+
+FAKE_VLLM = """#!{python}
+# A stand-in for the vllm program: records its arguments and environment, answers /health.
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+with open({record!r}, "w") as f:
+    json.dump({{"argv": sys.argv[1:], "dev": os.environ.get("VLLM_SERVER_DEV_MODE")}}, f)
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+port = int(sys.argv[sys.argv.index("--port") + 1])
+HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def serve_config_args(tmp_path) -> list[str]:
+    model = ["--model.name", str(tmp_path / "model")]
+    return [*model, "--rollout.prompts", "prompts.jsonl", "--rollout.reward", "similarity"]
+
+
+def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_path):
+    import sys
+    from urllib.parse import urlparse
+
+    from fnt.vllm_serve import local_server
+
+    program, record = tmp_path / "vllm", tmp_path / "argv.json"
+    program.write_text(FAKE_VLLM.format(python=sys.executable, record=str(record)))
+    program.chmod(0o755)
+    log = tmp_path / "server.log"
+    args = serve_config_args(tmp_path)
+    with local_server(args, log, vllm=str(program), extra=["--enforce-eager"]) as server:
+        port = urlparse(server.url).port
+        ServerClient(server.url, timeout_s=5, retry_s=0).wait_healthy(5)
+        started = json.loads(record.read_text())
+    assert started["argv"][:2] == ["serve", str(tmp_path / "model")]
+    assert started["argv"][started["argv"].index("--port") + 1] == str(port)
+    assert started["argv"][-1] == "--enforce-eager" and started["dev"] == "1"
+    assert server.process.poll() is not None  # killed, with its process group
+    with pytest.raises(ServerError, match="not healthy"):
+        ServerClient(server.url, timeout_s=1, retry_s=0).wait_healthy(0)
+
+
+def test_a_local_server_that_exits_at_start_up_is_an_error_showing_its_log(tmp_path):
+    from fnt.vllm_serve import local_server
+
+    program = tmp_path / "vllm"
+    program.write_text("#!/bin/sh\necho 'no CPU support here' >&2\nexit 1\n")
+    program.chmod(0o755)
+    with pytest.raises(RuntimeError, match="(?s)exited.*no CPU support here"):
+        with local_server(serve_config_args(tmp_path), tmp_path / "log", vllm=str(program)):
+            pass
+
+
+def test_nccl_weight_transfer_without_cuda_is_a_config_error_naming_the_key(monkeypatch):
+    import torch
+
+    from fnt.rollout.vllm_nccl import NcclWeightSender
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="'rollout.vllm.weight_transfer' = 'nccl'.*no CUDA"):
+        NcclWeightSender(vllm_config(vllm=VLLMConfig(weight_transfer="nccl")))
