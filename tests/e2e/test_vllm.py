@@ -23,7 +23,7 @@ from fnt.config import RolloutConfig, VLLMConfig
 from fnt.rollout.vllm import ServerClient, completion_request, parse_completions
 from fnt.tokenizer import load_tokenizer, stop_token_ids
 from fnt.vllm_serve import local_server
-from tests.e2e.helpers import REPO, read_metrics, run_cli
+from tests.e2e.helpers import REPO, read_metrics, run_cli, run_script
 
 pytestmark = pytest.mark.vllm
 
@@ -163,6 +163,32 @@ def test_rl_from_vllm_trains_and_the_server_generates_from_the_new_weights(
     assert held["weight_version"] == "3"
     step_3 = out / "weights" / "step_3"
     assert max_logprob_gap(server, step_3, reverse_sft) < LOGPROB_ATOL
+    assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) > 1e-3
+
+
+def test_at_two_ranks_the_gathered_policy_reaches_the_server(server, reverse_sft, tmp_path):
+    """FSDP2 over two ranks: every rank gathers the shards, rank 0 publishes, talks to the
+    server and broadcasts the samples; each rank trains on its share."""
+    out = tmp_path / "run"
+    run_script("rl.py", *rl_args(reverse_sft, server, out, "--max-steps", "3"), nproc=2)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # The server samples from exactly the trainer's policy only if the gathered weights are whole.
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), rows
+    held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
+    assert held["weight_version"] == "2"
+    assert max_logprob_gap(server, out / "weights" / "step_2", reverse_sft) < LOGPROB_ATOL
+
+
+def test_with_lora_the_server_samples_from_the_merged_policy(server, reverse_sft, tmp_path):
+    out = tmp_path / "run"
+    lora = ("--model.lora.rank", "8", "--optim.lr", "1e-2")
+    run_cli("rl", *rl_args(reverse_sft, server, out, "--max-steps", "2", *lora))
+    rows = read_metrics(out)
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), rows
+    step_1 = out / "weights" / "step_1"
+    assert json.loads((step_1 / "fnt_published.json").read_text())["kind"] == "merged"
+    assert max_logprob_gap(server, step_1, reverse_sft) < LOGPROB_ATOL
     assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) > 1e-3
 
 
