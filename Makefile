@@ -57,7 +57,7 @@ $(VLLM_VENV)/.installed: tools/vllm_alias/pyproject.toml
 
 # The tests that run a real vLLM server (marked vllm; they need `make vllm-env`).
 test-vllm: setup vllm-env
-	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and not slow"
+	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and not slow and not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check fnt steps scripts tests

@@ -22,7 +22,7 @@ from torch import nn
 from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
-from fnt.lora import add_adapters_, base_fingerprint, merge_adapters_, save_adapter_
+from fnt.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
 from fnt.model import DTYPES, load_hf_model
 from fnt.rundir import COMPLETE_MARKER
 from fnt.tokenizer import load_tokenizer
@@ -109,7 +109,7 @@ def export_hf_(
     else:
         state = model.state_dict()
         if lora.rank:
-            state = merge_adapters_(state, lora)
+            state = merge_adapters(state, lora)
         state = without_tied_duplicates(model, state)
         if cast is not None:
             state = {name: tensor.to(cast) for name, tensor in state.items()}

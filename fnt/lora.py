@@ -4,8 +4,8 @@ Side effects: `add_adapters_` replaces the target modules in place (PEFT's LoRA 
 freezes everything else; `init_adapters_` writes the adapters' starting values into their (maybe
 sharded) parameters; `adapters_disabled` switches every adapter off inside its block, making the
 model its base (RL's reference policy); `save_adapter_` writes a PEFT adapter directory.
-`merge_adapters_` adds the adapters into a state dict's base weights; `base_fingerprint`
-hashes a base directory's index.
+`merge_adapters` (pure) returns a state dict with the adapters added into the base weights;
+`base_fingerprint` hashes a base directory's index.
 
 Why PEFT's layers inside fnt's own loading: the adapter format is the one vLLM, TRL and
 `PeftModel.from_pretrained` read, and PEFT's `inject_adapter_in_model` works on the model in
@@ -183,12 +183,12 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module._disable_adapters = False
 
 
-def merge_adapters_(state_dict: dict[str, Tensor], lora: LoraConfig) -> dict[str, Tensor]:
+def merge_adapters(state_dict: Mapping[str, Tensor], lora: LoraConfig) -> dict[str, Tensor]:
     """The base model's state dict with the adapters merged in, from the adapted model's full
     state dict: W + (alpha / rank) * B @ A for each adapted linear ((B @ A)^T for an embedding),
-    the trained copy for each module in modules_to_save; names as in the base's files. The base
-    weights are updated in place (the caller's copy: a gathered state dict, or a model about to
-    be written), so merging needs no second copy of the model."""
+    the trained copy for each module in modules_to_save; names as in the base's files. Pure:
+    each merged weight is a new tensor, because a one-process model's state dict holds its live
+    parameters (merging those in place would add the adapters into the model being trained)."""
     scale = lora.alpha / lora.rank
     merged: dict[str, Tensor] = {}
     for name, value in state_dict.items():
@@ -196,7 +196,7 @@ def merge_adapters_(state_dict: dict[str, Tensor], lora: LoraConfig) -> dict[str
             continue
         if name.endswith(".base_layer.weight"):
             delta = _delta(state_dict, name[: -len("base_layer.weight")])
-            value.add_(delta.mul_(scale).to(device=value.device, dtype=value.dtype))
+            value = value + delta.mul_(scale).to(device=value.device, dtype=value.dtype)
         merged[base_name(name)] = value
     return merged
 

@@ -28,7 +28,7 @@ from fnt.collectives import full_state_dict
 from fnt.config import RLConfig
 from fnt.errors import DataError
 from fnt.export import without_tied_duplicates
-from fnt.lora import merge_adapters_, save_adapter_
+from fnt.lora import merge_adapters, save_adapter_
 from fnt.parallel import check_batch_layout, rank_share
 from fnt.rollout.engine import reward_metrics
 from fnt.rollout.generate import Completion
@@ -375,7 +375,7 @@ def policy_weights(state: TrainState, *, cpu_offload: bool) -> Optional[dict[str
     if not state.handles.runtime.is_main:
         return None
     if published_kind(config) == "merged":
-        weights = merge_adapters_(weights, config.model.lora)
+        weights = merge_adapters(weights, config.model.lora)
     return without_tied_duplicates(model, weights)
 
 

@@ -185,7 +185,8 @@ def test_with_lora_the_server_samples_from_the_merged_policy(server, reverse_sft
     lora = ("--model.lora.rank", "8", "--optim.lr", "1e-2")
     run_cli("rl", *rl_args(reverse_sft, server, out, "--max-steps", "2", *lora))
     rows = read_metrics(out)
-    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), rows
+    mismatch = [r["mismatch_kl/all/mean"] for r in rows]
+    assert all(m < 1e-6 for m in mismatch), mismatch
     step_1 = out / "weights" / "step_1"
     assert json.loads((step_1 / "fnt_published.json").read_text())["kind"] == "merged"
     assert max_logprob_gap(server, step_1, reverse_sft) < LOGPROB_ATOL

@@ -1,5 +1,6 @@
 """A stand-in for the `wandb` package whose every `log` takes 30 s (a W&B service that hangs),
-or $SLOW_WANDB_LOG_SECONDS.
+or $SLOW_WANDB_LOG_SECONDS. With $SLOW_WANDB_HOLD_AFTER = N, a process's logs after its N-th
+never return (a W&B that has fallen behind, whatever the speed of training).
 
 With $SLOW_WANDB_HISTORY (a directory) it also keeps each run's history there, as the W&B
 server would, across processes: `{id}.json` maps steps to values; `resume_from` rewinds a run
@@ -18,6 +19,7 @@ from pathlib import Path
 
 LOG_SECONDS = float(os.environ.get("SLOW_WANDB_LOG_SECONDS", "30"))
 HISTORY = os.environ.get("SLOW_WANDB_HISTORY")
+HOLD_AFTER = os.environ.get("SLOW_WANDB_HOLD_AFTER")
 
 
 def _path(run_id):
@@ -43,9 +45,14 @@ def _split(point):
 class Run:
     def __init__(self, run_id):
         self.id = run_id
+        self.logged = 0
 
     def log(self, values, step):
+        if HOLD_AFTER is not None and self.logged >= int(HOLD_AFTER):
+            while True:
+                time.sleep(1)
         time.sleep(LOG_SECONDS)
+        self.logged += 1
         if HISTORY:
             history = _read(self.id)
             if not history or step > max(history):
