@@ -41,11 +41,19 @@ def exit_on_bad_input() -> Iterator[None]:
         exit_with(exc, EXIT_SERVER_FAILED)
 
 
+# How long a rank other than 0 waits before it exits on a bad input. torchrun stops every worker
+# as soon as one fails, so a rank 1 that exited first could kill rank 0 before rank 0 printed
+# the line; rank 0 meets the same input within this time and its exit ends the wait.
+OTHER_RANKS_EXIT_DELAY_S = 10.0
+
+
 def exit_with(exc: Exception, status: int) -> None:
     """Print `error: <exc>` (rank 0), leave it in torchrun's error file, exit with `status`."""
+    report_to_launcher(f"error: {exc}")
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {exc}", file=sys.stderr)
-    report_to_launcher(f"error: {exc}")
+    elif os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        time.sleep(OTHER_RANKS_EXIT_DELAY_S)
     sys.exit(status)
 
 
