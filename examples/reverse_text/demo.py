@@ -72,6 +72,33 @@ def rl_with_vllm(rl_run: list[str], rl_config: list[str], log: Path, vllm: str |
         run(*rl_run, *settings, "--rollout.engine", "vllm", "--rollout.vllm.urls", urls)
 
 
+def rl_stage(
+    sft_hf: Path,
+    data: Path,
+    rl_dir: Path,
+    rl_hf: Path,
+    *,
+    seed: int,
+    engine: str,
+    vllm: str | None = None,
+    extra: tuple[str, ...] = (),
+) -> float:
+    """RL from the exported SFT model `sft_hf` into `rl_dir` (a vLLM server's output in
+    rl_dir/../vllm-server.log), its last checkpoint exported to `rl_hf`; the held-out
+    similarity of the result. `extra`: more config overrides."""
+    rl_config = ["--config", str(HERE / "rl.toml"), "--model.name", str(sft_hf)]
+    rl_config += ["--seed", str(seed), "--rollout.prompts", str(data / "rl.jsonl"), *extra]
+    rl_run = ["scripts/rl.py", *rl_config, "--output-dir", str(rl_dir)]
+    if engine == "vllm":
+        rl_with_vllm(rl_run, rl_config, rl_dir.parent / "vllm-server.log", vllm)
+    else:
+        run(*rl_run)
+    rl_steps = json.loads((rl_dir / "config.json").read_text())["max_steps"]
+    checkpoint = rl_dir / "checkpoints" / f"step_{rl_steps}"
+    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(rl_hf))
+    return evaluate(rl_hf, data)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -117,17 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
     if not args.skip_rl:
-        rl_config = ["--config", str(HERE / "rl.toml"), "--model.name", str(sft_hf), *seed]
-        rl_config += ["--rollout.prompts", str(data / "rl.jsonl")]
-        rl_run = ["scripts/rl.py", *rl_config, "--output-dir", str(rl_dir)]
-        if args.engine == "vllm":
-            rl_with_vllm(rl_run, rl_config, runs / "vllm-server.log", args.vllm)
-        else:
-            run(*rl_run)
-        rl_steps = json.loads((rl_dir / "config.json").read_text())["max_steps"]
-        checkpoint = rl_dir / "checkpoints" / f"step_{rl_steps}"
-        run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(rl_hf))
-        result["rl_after"] = evaluate(rl_hf, data)
+        result["rl_after"] = rl_stage(
+            sft_hf, data, rl_dir, rl_hf, seed=args.seed, engine=args.engine, vllm=args.vllm
+        )
         seconds["rl"] = time.time() - started - sum(seconds.values())
 
     print(f"demo took {time.time() - started:.0f} s", flush=True)
