@@ -33,24 +33,24 @@ _EXPORTS = {
     "run": "fnt.loop",
     "sft_source": "fnt.sources",
     "rl_source": "fnt.sources",
-    "to_floats": "fnt.metrics",
+    "to_floats": "fnt.obs.metrics",
     "Evaluation": "fnt.rows",
     # The research kit: what a step function of your own is made of
     "accumulate_gradients_": "fnt.update",
     "complete_step_": "fnt.update",
-    "TokenLogprobs": "fnt.lm_head",
+    "TokenLogprobs": "fnt.model.lm_head",
     "SftBatch": "fnt.batch",
     "RLBatch": "fnt.batch",
     "PackedRows": "fnt.batch",
     "RLMicroBatch": "fnt.batch",
     # The process, the optimizer, the schedule, the profiler
-    "setup_trainer": "fnt.runtime",
-    "teardown_trainer": "fnt.runtime",
+    "setup_trainer": "fnt.dist.runtime",
+    "teardown_trainer": "fnt.dist.runtime",
     "setup_optimizer": "fnt.optim",
     "lr_at": "fnt.schedule",
     "resolve_resume_step": "fnt.resume",
-    "start_trace": "fnt.profiler",
-    "save_trace_": "fnt.profiler",
+    "start_trace": "fnt.obs.profiler",
+    "save_trace_": "fnt.obs.profiler",
 }
 
 __all__ = list(_EXPORTS)

@@ -17,11 +17,11 @@ import os
 import sys
 from pathlib import Path
 
-from fnt.cli import exit_on_bad_input, parse_config
+from fnt.apps.cli import exit_on_bad_input, parse_config
+from fnt.apps.preflight import check_inputs
 from fnt.config import Config, RLConfig
 from fnt.config.schema import DTYPE_NAMES
-from fnt.preflight import check_inputs
-from fnt.rundir import rank0_run_lock
+from fnt.store.rundir import rank0_run_lock
 
 USAGE = """\
 usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
@@ -62,8 +62,8 @@ def train_sft(config: Config) -> None:
 
 def train_rl(config: RLConfig) -> None:
     from fnt.loop import run
-    from fnt.rollout.external import publish_weights_
-    from fnt.rollout.vllm import publish_to_vllm_
+    from fnt.rollout.engines.external import publish_weights_
+    from fnt.rollout.engines.vllm import publish_to_vllm_
     from fnt.sources import rl_source
     from steps import rl_step
 
@@ -112,7 +112,7 @@ def export(argv: list[str]) -> None:
         "PEFT adapter directory",
     )
     args = parser.parse_args(argv)
-    from fnt.export import export_hf_
+    from fnt.apps.export import export_hf_
 
     out = export_hf_(args.checkpoint, args.out, args.dtype, merge=args.merge)
     print(
@@ -128,31 +128,31 @@ def export(argv: list[str]) -> None:
 
 
 def vllm_serve(argv: list[str]) -> None:
-    from fnt.vllm_serve import main
+    from fnt.apps.vllm_serve import main
 
     main(argv)
 
 
 def make_tiny_model(argv: list[str]) -> None:
-    from fnt import tiny_model
+    from fnt.model import tiny_model
 
     tiny_model.main(argv)
 
 
 def show_data(argv: list[str]) -> None:
-    from fnt.show_data import main
+    from fnt.apps.show_data import main
 
     main(argv)
 
 
 def inspect_run(argv: list[str]) -> None:
-    from fnt.runview import main
+    from fnt.apps.inspect import main
 
     main(argv)
 
 
 def plot(argv: list[str]) -> None:
-    from fnt.plot import main
+    from fnt.apps.plot import main
 
     main(argv)
 

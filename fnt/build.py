@@ -20,12 +20,12 @@ from typing import Any, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
 from fnt.config import Config, LoraConfig, RLConfig
-from fnt.model import load_model
+from fnt.dist.runtime import Runtime
+from fnt.model.loading import load_model
+from fnt.obs.console import say
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
-from fnt.progress import say
-from fnt.rundir import ckpt_root
-from fnt.runtime import Runtime
 from fnt.state import Handles, Progress, StepCursor, TrainState
+from fnt.store.rundir import ckpt_root
 
 
 def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
@@ -39,14 +39,14 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
         if not config.rollout.prompts and config.rollout.engine == "in_process":
             return {}
         if config.rollout.engine == "external":
-            from fnt.rollout.external import ExternalRollouts
+            from fnt.rollout.engines.external import ExternalRollouts
 
             return {"rollouts": ExternalRollouts(config, runtime)}
         if config.rollout.engine == "vllm":
-            from fnt.rollout.vllm import VLLMEngine
+            from fnt.rollout.engines.vllm import VLLMEngine
 
             return {"rollouts": VLLMEngine(config, runtime)}
-        from fnt.rollout.engine import InProcessEngine
+        from fnt.rollout.engines.in_process import InProcessEngine
 
         return {"rollouts": InProcessEngine(config, runtime)}
     layout = dict(
@@ -61,7 +61,7 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
         return {"data": SyntheticData(seed=config.seed, seq_len=config.seq_len, **layout)}
     if config.data.kind == "sources":
         from fnt.data.sft import load_source_data
-        from fnt.tokenizer import load_tokenizer
+        from fnt.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.model.name)
         data = load_source_data(
@@ -86,7 +86,7 @@ def data_cache(config: Config, runtime: Runtime):
     import torch.distributed as dist
 
     from fnt.data.cache import DataCache
-    from fnt.rundir import DATA_CACHE_DIR
+    from fnt.store.rundir import DATA_CACHE_DIR
 
     directory = Path(config.data.cache_dir or Path(config.output_dir) / DATA_CACHE_DIR)
     return DataCache(
@@ -103,7 +103,7 @@ def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
 
     With LoRA (model.lora.rank > 0) and loss.ref_model empty, it is `policy` itself: the base
     model is the reference, and steps.rl computes it with the adapters switched off
-    (fnt.lora.adapters_disabled), so no second model is in memory. Otherwise it is loaded from
+    (fnt.model.lora.adapters_disabled), so no second model is in memory. Otherwise it is loaded from
     loss.ref_model (default model.name, the starting policy) and sharded exactly like the policy
     (FSDP2 under torchrun, the same dtypes and kernel), then frozen: no parameter requires a
     gradient, it is in no optimizer, and checkpoints do not hold it, so a resumed run rebuilds
@@ -126,7 +126,7 @@ def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
 def init_state(config: Config, runtime: Runtime, announce: bool = False) -> TrainState:
     """A fresh TrainState at step 0: the model from `config.model.name`, its optimizer, the
     source's handles (and the RL reference model, `reference_model`) and `Progress()`. Reads no
-    checkpoint and refuses nothing. `announce` prints each phase as it starts (fnt.progress;
+    checkpoint and refuses nothing. `announce` prints each phase as it starts (fnt.obs.console;
     the driver passes it on rank 0)."""
     from fnt.evaluation import load_eval_data
 

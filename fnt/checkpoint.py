@@ -4,14 +4,14 @@ Layout of `{output_dir}/checkpoints/step_N/`: the DCP files of the model and opt
 (`.metadata`, `__*_*.distcp`; of a LoRA model only the adapters and what else trains, not the
 frozen base), `progress.json` (Progress, with the data position), `meta.json` (the model
 directory, for export; with LoRA also the adapters' settings and the base's fingerprint,
-fnt.lora.base_fingerprint), `config.json` (the resolved config the checkpoint was written with,
-which a resume reconciles with its own: fnt.resume.reconcile_config), `components/NAME.pt` (the
-state of each source handle that has one, fnt.state.Component: e.g. the policies an async
+fnt.model.lora.base_fingerprint), `config.json` (the resolved config the checkpoint was written
+with, which a resume reconciles with its own: fnt.resume.reconcile_config), `components/NAME.pt`
+(the state of each source handle that has one, fnt.state.Component: e.g. the policies an async
 rollout engine still samples from), `checksums.json` (the size and xxh3-128 digest of every
-other file, fnt.checksums) and the marker `COMPLETE`.
+other file, fnt.store.checksums) and the marker `COMPLETE`.
 
-How completeness is marked (fnt.transaction): every rank writes into `step_N.partial/`; after a
-barrier, each rank hashes its share of the shards, rank 0 writes `progress.json`, `meta.json`,
+How completeness is marked (fnt.store.transaction): every rank writes into `step_N.partial/`; after
+a barrier, each rank hashes its share of the shards, rank 0 writes `progress.json`, `meta.json`,
 `config.json` and `components/`, hashes them, writes `checksums.json`, fsyncs everything, writes
 `COMPLETE`, renames the directory to `step_N` and fsyncs the parent. `resolve_resume_step`
 counts only directories named `step_N` that hold `COMPLETE`, so a crash at any moment of a save
@@ -19,7 +19,7 @@ leaves the previous checkpoint as the newest complete one. The learning rate is 
 the step, so there is no scheduler state.
 
 A run that starts at step N first moves newer complete checkpoints and unfinished saves into
-`abandoned/<UTC time>/` (fnt.rundir.abandon_newer_), so the new trajectory never meets the old
+`abandoned/<UTC time>/` (fnt.store.rundir.abandon_newer_), so the new trajectory never meets the old
 one.
 """
 
@@ -46,19 +46,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from fnt.checksums import (
+from fnt.config import Config, to_json
+from fnt.dist.collectives import all_gather_objects
+from fnt.errors import CheckpointError
+from fnt.faults import fault_point
+from fnt.model.lora import base_fingerprint, is_adapted, lora_of
+from fnt.state import Progress
+from fnt.store.checksums import (
     checkpoint_files,
     digests,
     rank_share,
     share_problems,
     write_checksums_,
 )
-from fnt.collectives import all_gather_objects
-from fnt.config import Config, to_json
-from fnt.errors import CheckpointError
-from fnt.faults import fault_point
-from fnt.lora import base_fingerprint, is_adapted, lora_of
-from fnt.rundir import (
+from fnt.store.rundir import (
     COMPLETE_MARKER,
     COMPONENTS_DIR,
     CONFIG_FILE,
@@ -66,8 +67,7 @@ from fnt.rundir import (
     PROGRESS_FILE,
     step_dir,
 )
-from fnt.state import Progress
-from fnt.transaction import begin_dir_, commit_dir_, is_complete, partial_dir, write_synced_
+from fnt.store.transaction import begin_dir_, commit_dir_, is_complete, partial_dir, write_synced_
 
 
 def should_checkpoint(step: int, interval: int, max_steps: int, save_final: bool) -> bool:

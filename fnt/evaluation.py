@@ -24,19 +24,19 @@ import torch
 from torch import nn
 
 from fnt.batch import to_device
-from fnt.collectives import all_reduce_sum
 from fnt.config import Config, ConfigError, RLConfig
 from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
-from fnt.lm_head import loss_tokens_of
-from fnt.parallel import rank_share
-from fnt.rewards import RewardFn, keep_group, reward_function, score
-from fnt.rollout.generate import generate
+from fnt.dist.collectives import all_reduce_sum
+from fnt.dist.parallel import rank_share
+from fnt.dist.runtime import Runtime
+from fnt.model.lm_head import loss_tokens_of
+from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.prompts import Prompt, load_prompts
-from fnt.runtime import Runtime
+from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
+from fnt.rollout.sampling import generate
 from fnt.state import Stateless, TrainState
-from fnt.tokenizer import load_tokenizer, pad_token_id
 from fnt.update import forward_loss_tokens
 
 
@@ -71,7 +71,7 @@ class EvalData(Stateless):
             )
             metrics.update(loss_metrics(loss_sum, num_tokens))
         if self.prompts:
-            from fnt.rollout.engine import InProcessEngine
+            from fnt.rollout.engines.in_process import InProcessEngine
 
             if not isinstance(handles.rollouts, InProcessEngine):
                 raise ConfigError(

@@ -3,7 +3,7 @@
 `FNT_FAULT="PHASE@STEP"` or `"PHASE@STEP:RANK"` makes the process of rank RANK (default 0) kill
 itself with SIGKILL, the way a power cut or the OOM killer would, when it reaches PHASE at step
 STEP. Unset in normal runs, where each point costs one environment lookup. The phases, in the
-order a step passes them (fnt.loop, fnt.checkpoint, fnt.monitors):
+order a step passes them (fnt.loop, fnt.checkpoint, fnt.obs.monitors):
 
     step       step STEP's update is done, its row not yet written
     row        row STEP is written and fsynced, step_STEP's checkpoint not yet begun

@@ -18,10 +18,10 @@ from fnt.config import Config
 from fnt.faults import fault_point
 from fnt.rows import RowBuilder
 from fnt.run_context import RunContext
-from fnt.rundir import ckpt_root, complete_steps, list_step_dirs, prune_steps_, step_name
 from fnt.sources import BatchSource
 from fnt.start import start_state
 from fnt.state import TrainState
+from fnt.store.rundir import ckpt_root, complete_steps, list_step_dirs, prune_steps_, step_name
 
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]

@@ -1,8 +1,8 @@
 """Which checkpoint to resume from, and what a resumed run may change. Pure, apart from listing
 one directory.
 
-Only complete checkpoints count (fnt.rundir: a directory named `step_N` holding the marker that
-the saver writes last), so a crash at any moment of a save leaves the previous complete
+Only complete checkpoints count (fnt.store.rundir: a directory named `step_N` holding the marker
+that the saver writes last), so a crash at any moment of a save leaves the previous complete
 checkpoint as the newest one.
 
 Each checkpoint records the config it was written with. `reconcile_config` compares it with the
@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 from fnt.config.loading import canonical_value
 from fnt.config.schema import flatten
 from fnt.errors import ConfigError
-from fnt.rundir import complete_steps, list_step_dirs
+from fnt.store.rundir import complete_steps, list_step_dirs
 
 
 class ResumeError(ConfigError):

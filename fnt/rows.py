@@ -1,6 +1,6 @@
 """The one metrics row of each step (`RowBuilder`): the step's own metrics with the loop's groups.
 Side effects: evaluations (fnt.evaluation: forward passes, collectives), a clock and a
-disk-usage query per row; the groups themselves are fnt.metrics' pure builders.
+disk-usage query per row; the groups themselves are fnt.obs.metrics' pure builders.
 
 A row carries, besides the step function's metrics: progress/* (from Progress), perf/* (this
 step's tokens over its time, MFU, peak memory), the timing the loop measured (time/step and the
@@ -25,7 +25,8 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from fnt.metrics import (
+from fnt.model.loading import model_facts
+from fnt.obs.metrics import (
     disk_metrics,
     flops_per_token,
     merge_metrics,
@@ -35,9 +36,8 @@ from fnt.metrics import (
     step_row,
     to_floats,
 )
-from fnt.model import model_facts
-from fnt.rundir import ckpt_root
 from fnt.state import Progress, TrainState
+from fnt.store.rundir import ckpt_root
 
 PREFIX = "val/"
 START_PREFIX = "val/start/"

@@ -7,8 +7,8 @@ Entering takes, in order: the preemption signals (SIGTERM, SIGUSR1: the first as
 checkpoint at the next step boundary, within a grace period: PreemptionWatch, with a thread of
 its own), the watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0,
 before anything in the directory is read or changed; the command line takes it earlier still,
-and then it is already held: fnt.rundir.run_lock nests), and the process group
-(fnt.runtime.setup_trainer).
+and then it is already held: fnt.store.rundir.run_lock nests), and the process group
+(fnt.dist.runtime.setup_trainer).
 `start(state)` then takes the start state: its handles are closed at the end, config.json is
 written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
 the reverse order, on a normal exit, an error or a preemption alike.
@@ -25,14 +25,14 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from fnt.collectives import all_reduce_max
 from fnt.config import Config, to_json
-from fnt.monitors import open_monitors
-from fnt.profiler import save_trace_, start_trace
-from fnt.progress import end_summary
-from fnt.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock
-from fnt.runtime import Runtime, setup_trainer, teardown_trainer
+from fnt.dist.collectives import all_reduce_max
+from fnt.dist.runtime import Runtime, setup_trainer, teardown_trainer
+from fnt.obs.console import end_summary
+from fnt.obs.monitors import open_monitors
+from fnt.obs.profiler import save_trace_, start_trace
 from fnt.state import TrainState
+from fnt.store.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock
 
 # What schedulers send before they kill a job (SLURM: SIGTERM, or SIGUSR1 via --signal).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

@@ -15,11 +15,13 @@ from typing import Optional, Union
 from fnt.build import init_state, restore_
 from fnt.checkpoint import checkpoint_problems, read_meta, read_saved_config
 from fnt.config import Config, ConfigError, to_plain
+from fnt.dist.runtime import Runtime
 from fnt.errors import CheckpointError
-from fnt.lora import base_fingerprint
-from fnt.progress import say, start_summary
+from fnt.model.lora import base_fingerprint
+from fnt.obs.console import say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
-from fnt.rundir import (
+from fnt.state import TrainState
+from fnt.store.rundir import (
     ROLLOUTS_DIR,
     WEIGHTS_DIR,
     abandon_newer_,
@@ -33,8 +35,6 @@ from fnt.rundir import (
     step_dir,
     step_name,
 )
-from fnt.runtime import Runtime
-from fnt.state import TrainState
 
 
 def start_state(config: Config, runtime: Runtime) -> TrainState:
@@ -76,7 +76,7 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
 
 
 def start_summary_of(state: TrainState) -> list[str]:
-    """fnt.progress.start_summary of a start state: its model's parameters, its data sources'
+    """fnt.obs.console.start_summary of a start state: its model's parameters, its data sources'
     samples and tokens (for `data.sources`), its steps."""
     config, model = state.config, state.handles.model
     data = state.handles.components().get("data")
@@ -186,7 +186,7 @@ def reconcile_with_checkpoint(config: Config, checkpoint: Path, is_main: bool) -
 
 def refuse_another_base(config: Config, checkpoint: Path) -> None:
     """A LoRA checkpoint holds adapters of one base model, which it does not contain: a
-    ConfigError when model.name now holds another (its fingerprint, fnt.lora.base_fingerprint,
+    ConfigError when model.name now holds another (its fingerprint, fnt.model.lora.base_fingerprint,
     differs from the one meta.json recorded), unless resume_force."""
     recorded = read_meta(checkpoint).get("base_fingerprint")
     if recorded is None or config.resume_force:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fnt.config import Config
-    from fnt.runtime import Runtime
+    from fnt.dist.runtime import Runtime
 
 
 class Component(Protocol):

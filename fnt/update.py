@@ -6,7 +6,7 @@ A step function hands its per-micro-batch loss to `accumulate_gradients_`, then 
 successor state. Both SFT and RL normalize by the GLOBAL number of loss tokens of the step (all
 micro-batches, all ranks; `step_counts`), so k micro-batches or n ranks give the gradient of one
 big batch. A loss sees the model only through the log-probabilities of its loss tokens, which the LM
-head computes in chunks without ever holding the full logits (fnt/lm_head.py).
+head computes in chunks without ever holding the full logits (fnt/model/lm_head.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 from torch import Tensor, nn
 
-from fnt.attention import packed_inputs
 from fnt.batch import PackedRows, to_device
-from fnt.collectives import all_reduce_max, all_reduce_sum
 from fnt.config import ModelConfig
-from fnt.lm_head import (
+from fnt.dist.collectives import all_reduce_max, all_reduce_sum
+from fnt.dist.runtime import Runtime
+from fnt.model.attention import packed_inputs
+from fnt.model.lm_head import (
     LossTokens,
     TokenLogprobs,
     chunked_head,
@@ -31,10 +32,9 @@ from fnt.lm_head import (
     logprobs_of,
     loss_tokens_of,
 )
-from fnt.metrics import merge_metrics
-from fnt.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
+from fnt.model.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
+from fnt.obs.metrics import merge_metrics
 from fnt.optim import set_lr_
-from fnt.runtime import Runtime
 
 if TYPE_CHECKING:
     from fnt.state import TrainState
@@ -62,8 +62,8 @@ def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int
 
 
 def packed_logits(model: nn.Module, rows: PackedRows) -> Tensor:
-    """What the LM head returns over packed rows (the logits [B, T, V], unless fnt.lm_head has
-    replaced it); documents are kept apart as the attention kernel needs (fnt.attention)."""
+    """What the LM head returns over packed rows (the logits [B, T, V], unless fnt.model.lm_head has
+    replaced it); documents are kept apart as the attention kernel needs (fnt.model.attention)."""
     return model(**packed_inputs(model, rows)).logits
 
 
@@ -73,8 +73,8 @@ def forward_loss_tokens(
     """The model's forward over packed rows: the head's output and the loss tokens' logprobs.
 
     chunk_tokens > 0: the head computes the logprobs in chunks of that many loss tokens and its
-    output is their [1 or 2, N] statistics (fnt.lm_head.chunked_head). 0: the head's output is the
-    full logits [B, T, V], from which the loss tokens' logprobs are taken.
+    output is their [1 or 2, N] statistics (fnt.model.lm_head.chunked_head). 0: the head's output is
+    the full logits [B, T, V], from which the loss tokens' logprobs are taken.
     """
     if chunk_tokens == 0:
         logits = packed_logits(model, rows)
@@ -125,7 +125,8 @@ class StepTotals:
     loss_tokens: float
     samples: float
     tokens: float
-    moe_stats: Optional[Tensor]  # [L, E + 2] summed router statistics (fnt.moe), None if dense
+    # [L, E + 2] summed router statistics (fnt.model.moe), None if dense
+    moe_stats: Optional[Tensor]
     # What the loss sum was divided by: None for the loss tokens, else (e.g.) the samples
     loss_denominator: Optional[float] = None
 

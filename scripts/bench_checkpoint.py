@@ -48,8 +48,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from fnt.checkpoint import load_checkpoint_, save_checkpoint_
-    from fnt.checksums import checkpoint_files, digests, share_problems
     from fnt.state import Progress
+    from fnt.store.checksums import checkpoint_files, digests, share_problems
     from scripts.bench_memory import write_model
 
     model_dir = write_model(work / ("small" if args.small else "big"), big=not args.small)

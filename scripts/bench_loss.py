@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fnt.attention import attention_mask_for
 from fnt.batch import DataPosition, PackedRows, SftBatch
 from fnt.config import ParallelConfig
 from fnt.data.synthetic import synthetic_rows
+from fnt.dist.parallel import plan_parallel_dims
+from fnt.dist.runtime import Runtime
+from fnt.model.attention import attention_mask_for
+from fnt.model.tiny_model import byte_level_tokenizer, parse_args, tiny_config
 from fnt.optim.setup import NO_OFFLOAD
-from fnt.parallel import plan_parallel_dims
-from fnt.runtime import Runtime
-from fnt.tiny_model import byte_level_tokenizer, parse_args, tiny_config
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss
 

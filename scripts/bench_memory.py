@@ -62,7 +62,7 @@ def write_model(out: Path, *, big: bool) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    from fnt.tiny_model import byte_level_tokenizer
+    from fnt.model.tiny_model import byte_level_tokenizer
 
     if (out / "config.json").is_file():
         return out

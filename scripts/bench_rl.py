@@ -10,7 +10,7 @@ the same prompts at every step (fnt's prompt order):
 
     fnt   rl_source(state) (the in-process engine: sync the inference copy, generate, score,
           pack), then steps.rl_step (forward/backward over the packed rows, AdamW), and the
-          driver's one host sync of the metrics (fnt.metrics.to_floats)
+          driver's one host sync of the metrics (fnt.obs.metrics.to_floats)
     bare  HF `model.generate` on all 192 sequences at once with the KV cache (left padding,
           top_k 0 so it samples the full softmax like fnt), the same similarity reward, group
           advantages (mean-centred, divided by the group std), one forward/backward of the
@@ -99,8 +99,8 @@ class Bare:
     def __init__(self, config, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
-        from fnt.rewards import reward_function
-        from fnt.tokenizer import load_tokenizer
+        from fnt.model.tokenizer import load_tokenizer
+        from fnt.rollout.rewards import reward_function
 
         self.config, self.rollout = config, config.rollout
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
@@ -193,7 +193,7 @@ def compare_engines(args, task: list[str], work: Path, url: str) -> dict:
     """fnt with the vLLM engine against fnt with the in-process engine, step by step in turn;
     prints the table and returns the JSON result."""
     from fnt import init_state, rl_source, setup_trainer, to_floats
-    from fnt.rollout.vllm import publish_to_vllm_
+    from fnt.rollout.engines.vllm import publish_to_vllm_
     from steps import rl_step
 
     vllm_args = [
@@ -348,7 +348,7 @@ def main() -> None:
         elif args.vllm_url:
             result = compare_engines(args, task, work, args.vllm_url)
         else:
-            from fnt.vllm_serve import has_cuda, local_server
+            from fnt.apps.vllm_serve import has_cuda, local_server
 
             extra = [] if has_cuda() else ["--enforce-eager"]  # as the demo starts it
             log = work / "vllm-server.log"

@@ -44,7 +44,7 @@ def write_model(out: Path, tiny: bool) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fnt.tiny_model import byte_level_tokenizer
+    from fnt.model.tiny_model import byte_level_tokenizer
 
     if not (out / "config.json").is_file():
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ t-1), with tau_t the temperature token t was sampled at:
 
 N is the global number of loss tokens of the step (masked tokens included), S the global
 number of samples. The LM head computes logp_t (and H_t below) in chunks of
-`model.loss_chunk_tokens` loss tokens, without ever holding the full logits (fnt/lm_head.py).
+`model.loss_chunk_tokens` loss tokens, without ever holding the full logits (fnt/model/lm_head.py).
 The reference policy's logprobs (loss.ref_kl_tau > 0) are the batch's own (external rollouts
 with ref_logprobs, loss.ref_source = "rollouts") or come from the frozen reference model in
 `state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient;
@@ -57,9 +57,9 @@ from torch import Tensor, nn
 
 from fnt.batch import RLBatch, RLMicroBatch, to_device
 from fnt.config import RLLossConfig
-from fnt.lm_head import TokenLogprobs, loss_tokens_of
-from fnt.lora import adapters_disabled
-from fnt.runtime import Runtime
+from fnt.dist.runtime import Runtime
+from fnt.model.lm_head import TokenLogprobs, loss_tokens_of
+from fnt.model.lora import adapters_disabled
 from fnt.state import TrainState
 from fnt.update import (
     StepCounts,

@@ -87,7 +87,7 @@ import torch
 from torch import Tensor
 
 from fnt.config import RLLossConfig
-from fnt.rewards import import_function
+from fnt.config.references import import_function
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,9 @@ LOSS_KINDS: dict[str, LossKindFn] = {
 
 @functools.cache  # resolved once per run, not once per micro-batch
 def custom_loss_function(name: str) -> LossKindFn:
-    """The function a `loss.custom` value "module:function" names (fnt.rewards.import_function:
-    ValueError when it cannot be imported, is not callable or cannot take (inputs, config))."""
+    """The function a `loss.custom` value "module:function" names
+    (fnt.config.references.import_function: ValueError when it cannot be imported, is not
+    callable or cannot take (inputs, config))."""
     return import_function(name, 2)
 
 

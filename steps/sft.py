@@ -4,7 +4,7 @@ on the referents of `state.handles`; it does not log, print, checkpoint or profi
 Loss: token-level cross entropy summed over the loss tokens of every micro-batch on every rank,
 divided by the GLOBAL number of loss tokens of the step (fnt.update.accumulate_gradients_). The
 cross entropy of a token is -log softmax(logits)[token], in float32, computed by the LM head in
-chunks of `model.loss_chunk_tokens` loss tokens (fnt/lm_head.py).
+chunks of `model.loss_chunk_tokens` loss tokens (fnt/model/lm_head.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fnt.batch import PackedRows, SftBatch
-from fnt.lm_head import TokenLogprobs
+from fnt.model.lm_head import TokenLogprobs
 from fnt.state import TrainState
 from fnt.update import accumulate_gradients_, complete_step_, step_rng
 

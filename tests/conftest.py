@@ -11,8 +11,8 @@ import pytest
 
 def make_model(out: Path, *extra: str) -> Path:
     """`fnt make-tiny-model --out OUT EXTRA...`, in this process (its files do not depend on the
-    process or the machine: fnt.tiny_model.portable_init_)."""
-    from fnt import tiny_model
+    process or the machine: fnt.model.tiny_model.portable_init_)."""
+    from fnt.model import tiny_model
 
     with contextlib.redirect_stdout(io.StringIO()):
         tiny_model.main(["--out", str(out), *extra])

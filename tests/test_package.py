@@ -65,8 +65,8 @@ def test_the_wheel_ships_the_kernel_source_and_the_fnt_command(wheel):
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = configparser.ConfigParser()
         scripts.read_string(z.read(entry_points).decode())
-    assert {"fnt/native/adamw.cpp", "fnt/native/build.py", "fnt/__main__.py"} <= names
-    assert "fnt/tiny_model.py" in names  # the tests' and the demo's models come from it
+    assert {"native/adamw.cpp", "native/build.py", "fnt/__main__.py"} <= names
+    assert "fnt/model/tiny_model.py" in names  # the tests' and the demo's models come from it
     assert scripts["console_scripts"]["fnt"] == "fnt.__main__:main"
     # Nothing but the sources of this tree: no module a rename left behind in a build dir.
     modules = {n for n in names if n.endswith(".py")}

@@ -59,7 +59,7 @@ def evaluate(model: Path, data: Path) -> float:
 
 def rl_with_vllm(rl_run: list[str], rl_config: list[str], log: Path, vllm: str | None) -> None:
     """Run the RL stage against a vLLM server started for it (its output in `log`)."""
-    from fnt.vllm_serve import has_cuda, local_server
+    from fnt.apps.vllm_serve import has_cuda, local_server
 
     # A small KV cache is plenty for 192 samples of <= 50 tokens; on a CPU the memory fraction
     # is of the machine's RAM and only has to pass vLLM's start-up check.

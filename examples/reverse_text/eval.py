@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fnt.rewards import similarity
 from fnt.rollout import generate, prompt_messages, render_prompt
+from fnt.rollout.rewards import similarity
 
 
 def heldout_similarity(model_dir: Path, data: Path, limit: int, max_new_tokens: int) -> dict:

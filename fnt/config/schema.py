@@ -22,7 +22,8 @@ from typing import Any, Literal, Union, get_args
 from dataclasses_json import dataclass_json
 
 DtypeName = Literal["float32", "bfloat16"]
-"""The dtypes a model's parameters or compute can have (fnt.model.DTYPES maps them to torch's)."""
+"""The dtypes a model's parameters or compute can have (fnt.model.loading.DTYPES maps them to
+torch's)."""
 DTYPE_NAMES: tuple[str, ...] = get_args(DtypeName)
 
 
@@ -374,7 +375,7 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature."""
     reward: str = ""
-    """Reward function: a registry name (see fnt.rewards) or "module:function"."""
+    """Reward function: a registry name (see fnt.rollout.rewards) or "module:function"."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
     timeout_s: float = 600.0

@@ -1,6 +1,6 @@
 """Cross-field validation of a built config: values, several fields, the world size. Pure.
 
-The parallel plan is checked here with the same rules as at setup (fnt.parallel), so a plan
+The parallel plan is checked here with the same rules as at setup (fnt.dist.parallel), so a plan
 that cannot run is rejected on the command line, before torch is imported.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fnt.config.references import import_function
 from fnt.config.schema import (
     CHAT_ROLES,
     Config,
@@ -18,9 +19,8 @@ from fnt.config.schema import (
     repeated_source_names,
     source_name,
 )
+from fnt.dist.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.errors import ConfigError
-from fnt.parallel import batch_layout_problem, plan_parallel_dims
-from fnt.rewards import import_function
 
 
 def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat list of rules
@@ -250,7 +250,11 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
             raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
 
     require(bool(rollout.prompts), "prompts", "name a JSONL file of prompts")
-    require(bool(rollout.reward), "reward", 'name a reward (see fnt.rewards) or "module:function"')
+    require(
+        bool(rollout.reward),
+        "reward",
+        'name a reward (see fnt.rollout.rewards) or "module:function"',
+    )
     require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
     require(
         rollout.prompts_per_step % dp_size == 0,

@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import xxhash
 
-from fnt.checksums import file_digest
 from fnt.errors import DataError
+from fnt.store.checksums import file_digest
 
 CACHE_FORMAT = 1
 # The tokenizer's files in its directory that change how text becomes ids.

@@ -11,7 +11,7 @@ Other top-level keys (e.g. `id`) are ignored.
 
 Which tokens are targets (`ChatMasking`): the messages of the trained roles (default: assistant
 only). An assistant turn is trained from its content through the first stop token after it
-(fnt.tokenizer.stop_token_ids: eos, generation_config's eos list, the template's end-of-turn
+(fnt.model.tokenizer.stop_token_ids: eos, generation_config's eos list, the template's end-of-turn
 token), so the model learns to stop; what the template puts after that token (ChatML's newline)
 is not, since generation stops there. Its reasoning (`reasoning_content`, or `<think>...</think>`
 at the start of the content) and the scaffold around it (`<think>\\n`) are trained too when
@@ -75,7 +75,7 @@ class ChatMasking:
     reasoning: bool = True
     """Train an assistant turn's reasoning where the template renders it."""
     stop_ids: frozenset[int] = frozenset()
-    """Token ids that end an assistant turn's targets (fnt.tokenizer.stop_token_ids)."""
+    """Token ids that end an assistant turn's targets (fnt.model.tokenizer.stop_token_ids)."""
     chat_template: str | None = None
     """Template text overriding the tokenizer's own; None uses the tokenizer's."""
 

@@ -53,9 +53,9 @@ from fnt.data.corpus import (
     overlong_policy,
 )
 from fnt.errors import DataError
-from fnt.jsonl import jsonl_records
-from fnt.progress import say, with_progress
-from fnt.tokenizer import stop_token_ids
+from fnt.model.tokenizer import stop_token_ids
+from fnt.obs.console import say, with_progress
+from fnt.store.jsonl import jsonl_records
 
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
 
@@ -84,7 +84,7 @@ def load_corpus(
 ) -> Corpus:
     """Every source tokenized (a record may give several samples, see fnt.data.chat) and fitted
     to seq_len under the overlong policy; `masking` defaults to the assistant turns with the
-    model's stop tokens; `progress` shows the reading's progress (fnt.progress; rank 0);
+    model's stop tokens; `progress` shows the reading's progress (fnt.obs.console; rank 0);
     `cache` keeps and reuses the tokenized sources (fnt.data.cache)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -382,7 +382,7 @@ def file_records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def jsonl_file_records(path: Path) -> Iterator[tuple[str, object]]:
-    """The parsed JSON of every non-blank line, located as `file, line N` (fnt.jsonl)."""
+    """The parsed JSON of every non-blank line, located as `file, line N` (fnt.store.jsonl)."""
     for line_number, record in jsonl_records(path, f"data source {path}"):
         yield f"{path}, line {line_number}", record
 

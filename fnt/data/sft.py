@@ -18,9 +18,9 @@ from fnt.data.corpus import Corpus
 from fnt.data.load import DataSource, load_corpus
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
-from fnt.parallel import check_batch_layout, rank_share
+from fnt.dist.parallel import check_batch_layout, rank_share
+from fnt.model.tokenizer import chat_masking, pad_token_id
 from fnt.state import Progress, Stateless
-from fnt.tokenizer import chat_masking, pad_token_id
 
 
 class DataConfig(Protocol):
@@ -86,7 +86,7 @@ def load_source_data(
     cache: DataCache | None = None,
 ) -> SourceData:
     """Read and tokenize the sources; the batch layout is checked before any file is read.
-    `progress` shows the tokenization's progress (fnt.progress; rank 0); `cache` keeps and
+    `progress` shows the tokenization's progress (fnt.obs.console; rank 0); `cache` keeps and
     reuses the tokenized sources (fnt.data.cache)."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     pad = pad_token_id(tokenizer)

@@ -1,48 +1,42 @@
 """RL rollouts: prompts -> sampled completions -> rewards -> group advantages -> packed RLBatch.
-Pure except the engine (fnt.rollout.engine), which loads a model copy, syncs it from the policy,
-generates and all-reduces metrics, and load_prompts, which reads the prompts file.
+Pure except the engine (fnt.rollout.engines.in_process), which loads a model copy, syncs it from the
+policy, generates and all-reduces metrics, and load_prompts, which reads the prompts file.
 
-    load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.parallel)
-    -> generate (generate) -> score (fnt.rewards) -> group_advantages (advantages)
+    load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.dist.parallel)
+    -> generate (sampling) -> score (fnt.rollout.rewards) -> group_advantages (advantages)
     -> pack_rollouts (pack) -> RLBatch per rank (InProcessEngine.rollout)
+
+Each name below is loaded on first use, so that importing one rollout module (the config's
+validation imports fnt.rollout.rewards) does not load the engines.
 """
 
-from fnt.rollout.advantages import group_advantages
-from fnt.rollout.engine import (
-    InProcessEngine,
-    check_prompt_lengths,
-    reward_metrics,
-    rollout_metrics,
-    score_groups,
-)
-from fnt.rollout.generate import Completion, generate, sampling_seed
-from fnt.rollout.pack import RolloutSample, first_fit, pack_rollouts
-from fnt.rollout.prompts import (
-    Prompt,
-    load_prompts,
-    prompt_messages,
-    prompt_order,
-    render_prompt,
-    step_prompts,
-)
+from importlib import import_module
 
-__all__ = [
-    "Completion",
-    "InProcessEngine",
-    "Prompt",
-    "RolloutSample",
-    "check_prompt_lengths",
-    "first_fit",
-    "generate",
-    "group_advantages",
-    "load_prompts",
-    "pack_rollouts",
-    "prompt_messages",
-    "prompt_order",
-    "render_prompt",
-    "reward_metrics",
-    "score_groups",
-    "rollout_metrics",
-    "sampling_seed",
-    "step_prompts",
-]
+_EXPORTS = {
+    "Completion": "fnt.rollout.sampling",
+    "InProcessEngine": "fnt.rollout.engines.in_process",
+    "Prompt": "fnt.rollout.prompts",
+    "RolloutSample": "fnt.rollout.pack",
+    "check_prompt_lengths": "fnt.rollout.engines.in_process",
+    "first_fit": "fnt.rollout.pack",
+    "generate": "fnt.rollout.sampling",
+    "group_advantages": "fnt.rollout.advantages",
+    "load_prompts": "fnt.rollout.prompts",
+    "pack_rollouts": "fnt.rollout.pack",
+    "prompt_messages": "fnt.rollout.prompts",
+    "prompt_order": "fnt.rollout.prompts",
+    "render_prompt": "fnt.rollout.prompts",
+    "reward_metrics": "fnt.rollout.engines.in_process",
+    "rollout_metrics": "fnt.rollout.engines.in_process",
+    "sampling_seed": "fnt.rollout.sampling",
+    "score_groups": "fnt.rollout.engines.in_process",
+    "step_prompts": "fnt.rollout.prompts",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fnt.rollout' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -15,7 +15,7 @@ So a micro-batch holds samples of similar lengths, the padding is small, and the
 which grows with the square of the row length, follows the sum of the squared sample lengths
 rather than seq_len squared. `fixed_layout` is the layout of rows of seq_len in sample order
 (the one before); loss and gradients are the same with either (documents never attend across
-each other, fnt.attention), up to the order of float sums.
+each other, fnt.model.attention), up to the order of float sums.
 
 Per-token values, aligned with input_ids (the value at t belongs to token t):
 - loss_mask: True on the completion tokens, the ones the policy sampled;
@@ -34,7 +34,7 @@ import torch
 
 from fnt.batch import RLMicroBatch
 from fnt.data.packing import pack_rows
-from fnt.rollout.generate import Completion
+from fnt.rollout.sampling import Completion
 
 ROW_MULTIPLE = 8
 """Fitted rows are a multiple of this many tokens long, so few distinct shapes occur."""

@@ -8,7 +8,7 @@ continues with the assistant's answer. Every field of the record stays available
 Order: the prompts of epoch e are a permutation seeded by (seed, e) (fnt.data.order with one
 source), so the prompt at a data position (epoch, cursor) is a pure function of (seed, epoch,
 cursor). Step N takes the next prompts_per_step prompts of that order, wrapping into the next epoch,
-and rank r takes the r-th contiguous share of them (fnt.parallel.rank_share).
+and rank r takes the r-th contiguous share of them (fnt.dist.parallel.rank_share).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fnt.batch import DataPosition
 from fnt.data.chat import check_message_list
 from fnt.data.order import SampleOrder
 from fnt.errors import DataError
-from fnt.jsonl import jsonl_records
+from fnt.store.jsonl import jsonl_records
 
 
 @dataclass(frozen=True)

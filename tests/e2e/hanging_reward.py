@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from fnt.rewards import REWARDS
+from fnt.rollout.rewards import REWARDS
 
 calls = 0
 

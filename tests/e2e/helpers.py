@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from fnt.rundir import METRICS_FILE
+from fnt.store.rundir import METRICS_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -2,9 +2,9 @@
 
 For steps 1..N it waits for the trainer's weights/step_{N-1}, loads them with transformers,
 samples completions, scores them, and writes rollouts/step_N. It knows the protocol only through
-the files; fnt's generate() is used merely as a convenient sampler, and fnt.transaction writes the
-rollout directory (files, then COMPLETE, then the rename, all fsynced). Prints one JSON line at the
-end with what it saw.
+the files; fnt's generate() is used merely as a convenient sampler, and fnt.store.transaction writes
+the rollout directory (files, then COMPLETE, then the rename, all fsynced). Prints one JSON line at
+the end with what it saw.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt.rollout import generate
-from fnt.transaction import begin_dir_, commit_dir_
+from fnt.store.transaction import begin_dir_, commit_dir_
 
 
 def wait_for(path: Path, timeout: float = 120.0) -> None:

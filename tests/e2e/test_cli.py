@@ -65,7 +65,10 @@ try:
     main(sys.argv[1:])
 except SystemExit as exc:
     code = exc.code
-heavy = sorted(m for m in ("fnt.build", "fnt.model", "fnt.runtime", "fnt.loop") if m in sys.modules)
+heavy = sorted(
+    m for m in ("fnt.build", "fnt.model.loading", "fnt.dist.runtime", "fnt.loop") if m in
+    sys.modules
+)
 print(json.dumps({"code": code, "heavy": heavy}))
 """
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnt.rundir import ABANDONED_DIR, METRICS_FILE, METRICS_MISSING_FILE
+from fnt.store.rundir import ABANDONED_DIR, METRICS_FILE, METRICS_MISSING_FILE
 from tests.e2e.helpers import (
     REPO,
     assert_resumed_run_matches,

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fnt.errors import DataError
-from fnt.rollout.external import parse_sample, rank_samples
+from fnt.rollout.engines.external import parse_sample, rank_samples
 from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_fnt
 
 STEPS = 3

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fnt.resume import resolve_resume_step
-from fnt.rundir import METRICS_FILE
+from fnt.store.rundir import METRICS_FILE
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,

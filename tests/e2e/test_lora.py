@@ -14,13 +14,13 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from fnt import fold, init_state, setup_trainer, sft_source
+from fnt.apps.export import export_hf_, load_trained_model
 from fnt.build import save_state_
 from fnt.config import Config, DataConfig, LoraConfig, ModelConfig, OptimConfig
 from fnt.errors import CheckpointError
-from fnt.export import export_hf_, load_trained_model
-from fnt.lora import ADAPTER_CONFIG_FILE, base_name, is_adapter_weight
-from fnt.metrics import to_floats
-from fnt.rollout.external import PUBLISHED_FILE
+from fnt.model.lora import ADAPTER_CONFIG_FILE, base_name, is_adapter_weight
+from fnt.obs.metrics import to_floats
+from fnt.rollout.engines.external import PUBLISHED_FILE
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fnt.resume import resolve_resume_step
-from fnt.rundir import COMPONENTS_DIR, METRICS_FILE
+from fnt.store.rundir import COMPONENTS_DIR, METRICS_FILE
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,

@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from fnt import tiny_model
+from fnt.apps.export import export_hf_
 from fnt.config import Config, RLConfig, validate
 from fnt.config.loading import load_config, tomllib
 from fnt.data.chat import ChatMasking, tokenize_conversation
-from fnt.export import export_hf_
-from fnt.tokenizer import stop_token_ids
+from fnt.model import tiny_model
+from fnt.model.tokenizer import stop_token_ids
 from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli
 
 FIXTURE = REPO / "tests" / "fixtures" / "chat_templates" / "qwen3.json"

@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, sft_source
 from fnt.build import save_state_
 from fnt.config import OptimConfig
+from fnt.dist.runtime import setup_trainer
 from fnt.resume import resolve_resume_step
-from fnt.rundir import ABANDONED_DIR, COMPLETE_MARKER
-from fnt.runtime import setup_trainer
 from fnt.start import start_state
+from fnt.store.rundir import ABANDONED_DIR, COMPLETE_MARKER
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fnt.lora import is_adapter_weight
+from fnt.model.lora import is_adapter_weight
 from tests.e2e.helpers import (
     assert_resumed_run_matches,
     config_args,

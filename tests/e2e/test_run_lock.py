@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fnt.errors import ConfigError
-from fnt.rundir import LOCK_FILE, METRICS_FILE, lock_output_dir_
+from fnt.store.rundir import LOCK_FILE, METRICS_FILE, lock_output_dir_
 from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_cli, run_script
 
 

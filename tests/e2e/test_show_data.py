@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fnt.show_data import GREEN, RESET, marked_text, runs
+from fnt.apps.show_data import GREEN, RESET, marked_text, runs
 from tests.e2e.helpers import config_args, run_cli
 
 CHAT = {

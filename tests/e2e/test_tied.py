@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.export import export_hf_
-from fnt.sharded_load import SafetensorsDir
+from fnt.apps.export import export_hf_
+from fnt.model.sharded_load import SafetensorsDir
 from tests.e2e.helpers import model_weights
 from tests.e2e.tied_resume_loop import PROBE, K, N
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fnt.apps.vllm_serve import local_server
 from fnt.config import RolloutConfig, VLLMConfig
-from fnt.rollout.vllm import ServerClient, completion_request, parse_completions
-from fnt.tokenizer import load_tokenizer, stop_token_ids
-from fnt.vllm_serve import local_server
+from fnt.model.tokenizer import load_tokenizer, stop_token_ids
+from fnt.rollout.engines.vllm import ServerClient, completion_request, parse_completions
 from tests.e2e.helpers import REPO, read_metrics, run_cli, run_script
 
 pytestmark = pytest.mark.vllm
@@ -247,7 +247,7 @@ def test_a_killed_server_stops_the_run_with_one_line_and_it_resumes(server, reve
 def test_over_nccl_the_server_generates_from_each_new_policy(reverse_sft, tmp_path):
     """rollout.vllm.weight_transfer = "nccl" on a GPU machine (vLLM importable in fnt's
     environment): the policies reach the server without weights/ on disk."""
-    from fnt.vllm_serve import free_port
+    from fnt.apps.vllm_serve import free_port
 
     nccl = ["--rollout.vllm.weight_transfer=nccl", f"--rollout.vllm.nccl_port={free_port()}"]
     args = [*serve_args(reverse_sft["model"], reverse_sft["prompts"]), *nccl]

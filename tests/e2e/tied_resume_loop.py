@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from fnt import fold, init_state, restore_, setup_trainer, sft_source, teardown_trainer, to_floats
+from fnt.apps.cli import parse_config
 from fnt.checkpoint import save_checkpoint_
-from fnt.cli import parse_config
 from fnt.config import RLConfig
-from fnt.rollout.external import publish_weights_
+from fnt.rollout.engines.external import publish_weights_
 from steps import sft_step
 
 N, K = 4, 2

@@ -12,10 +12,10 @@ import sys
 
 import torch
 
-from fnt.collectives import full_state_dict
 from fnt.config import Config, ModelConfig
-from fnt.model import load_model
-from fnt.runtime import setup_trainer, teardown_trainer
+from fnt.dist.collectives import full_state_dict
+from fnt.dist.runtime import setup_trainer, teardown_trainer
+from fnt.model.loading import load_model
 
 INPUT_IDS = torch.arange(3, 43).reshape(2, 20)
 

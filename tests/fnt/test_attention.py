@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fnt.attention import VARLEN_KERNELS, document_boundaries, packed_inputs
 from fnt.data.synthetic import synthetic_rows
+from fnt.model.attention import VARLEN_KERNELS, document_boundaries, packed_inputs
 
 
 def rows_and_documents():

@@ -11,10 +11,10 @@ import torch
 
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, restore_, sft_source
 from fnt.build import save_state_
-from fnt.rundir import ckpt_root, step_dir
-from fnt.runtime import setup_trainer
+from fnt.dist.runtime import setup_trainer
 from fnt.start import start_state
 from fnt.state import StaleStateError
+from fnt.store.rundir import ckpt_root, step_dir
 from steps import sft_step
 
 
@@ -93,7 +93,7 @@ CORE = (
     "fnt.sources",
     "fnt.update",
     "fnt.checkpoint",
-    "fnt.runtime",
+    "fnt.dist.runtime",
 )
 PLUGINS = ("fnt.data", "fnt.rollout", "fnt.evaluation")
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fnt.checkpoint import should_checkpoint
 from fnt.resume import resolve_resume_step
-from fnt.rundir import (
+from fnt.store.rundir import (
     ABANDONED_DIR,
     ABANDONED_KEEP,
     COMPLETE_MARKER,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fnt import cli
+from fnt.apps import cli
 from fnt.errors import ConfigError
 
 

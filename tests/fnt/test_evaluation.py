@@ -25,14 +25,14 @@ from fnt.config import (
     ValConfig,
 )
 from fnt.data import load_corpus
+from fnt.dist.runtime import setup_trainer
 from fnt.evaluation import loss_metrics, pack_in_order, rank_rows
-from fnt.metrics import to_floats
-from fnt.rewards import ascii_letters
-from fnt.rollout.generate import generate
+from fnt.model.tokenizer import stop_token_ids
+from fnt.obs.metrics import to_floats
 from fnt.rollout.prompts import load_prompts
+from fnt.rollout.rewards import ascii_letters
+from fnt.rollout.sampling import generate
 from fnt.rows import Evaluation, is_due
-from fnt.runtime import setup_trainer
-from fnt.tokenizer import stop_token_ids
 from steps import rl_step, sft_step
 
 SEQ_LEN = 48

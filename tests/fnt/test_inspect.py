@@ -12,9 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fnt.__main__ import main
-from fnt.errors import DataError
-from fnt.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE
-from fnt.runview import (
+from fnt.apps.inspect import (
     ABSENT,
     config_diff,
     format_summary,
@@ -22,6 +20,8 @@ from fnt.runview import (
     read_run,
     summary,
 )
+from fnt.errors import DataError
+from fnt.store.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,8 +221,11 @@ def test_not_a_run_exits_2_with_a_one_line_message(tmp_path):
 
 
 def test_inspect_plot_and_the_run_directory_rules_load_without_torch():
-    # fnt.rundir holds the names every writer and reader uses; it must stay light for them.
-    probe = "import sys, fnt.rundir, fnt.runview, fnt.plot; print('torch' in sys.modules)"
+    # fnt.store.rundir holds the names every writer and reader uses; it must stay light for them.
+    probe = (
+        "import sys, fnt.store.rundir, fnt.apps.inspect, fnt.apps.plot;"
+        " print('torch' in sys.modules)"
+    )
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60
     )

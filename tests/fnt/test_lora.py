@@ -1,4 +1,4 @@
-"""fnt.lora on the tiny models: adapters on a frozen base, their start, the base inside the
+"""fnt.model.lora on the tiny models: adapters on a frozen base, their start, the base inside the
 adapted model, merging, the base's fingerprint, and the config rules."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fnt.config import Config, ConfigError, LoraConfig, ModelConfig, RLConfig, validate
 from fnt.config.schema import RolloutConfig
-from fnt.lora import (
+from fnt.model.lora import (
     adapter_init,
     adapters_disabled,
     add_adapters_,
@@ -112,7 +112,7 @@ def test_merging_gives_the_adapted_model_and_peft_s_own_merge(tiny_model_dir, tm
     plain.load_state_dict(merged)
     torch.testing.assert_close(logits(plain.eval()), want, rtol=0, atol=1e-5)
 
-    from fnt.lora import save_adapter_
+    from fnt.model.lora import save_adapter_
 
     trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     save_adapter_(tmp_path / "adapter", model, trained, str(tiny_model_dir))
@@ -206,7 +206,7 @@ def test_the_in_process_engine_generates_with_the_adapters(tiny_model_dir, promp
 
 
 def test_a_frozen_base_costs_4_flops_per_parameter_and_a_trained_one_6():
-    from fnt.metrics import flops_per_token
+    from fnt.obs.metrics import flops_per_token
 
     full = flops_per_token(1000, num_layers=2, hidden_size=8, seq_len=16)
     assert full == 6 * 1000 + 6 * 2 * 8 * 16

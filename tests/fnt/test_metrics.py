@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.metrics import (
+from fnt.obs.metrics import (
     GIB,
     MetricCollision,
     disk_metrics,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import Config
-from fnt.monitors import (
+from fnt.obs.monitors import (
     METRICS_FILE,
     JsonlMonitor,
     console_line,
@@ -24,7 +24,7 @@ from fnt.monitors import (
     repair_rows,
     strict_json_line,
 )
-from fnt.rundir import METRICS_MISSING_FILE, read_missing_steps, step_ranges
+from fnt.store.rundir import METRICS_MISSING_FILE, read_missing_steps, step_ranges
 from tests.e2e.helpers import read_metrics
 
 SETTINGS = settings(max_examples=150, deadline=None)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from matplotlib.image import imread
 
 from fnt.__main__ import main
-from fnt.plot import DPI, PANEL_SIZE, panel_keys, panels, plot_runs, series, smooth
-from fnt.runview import read_run
+from fnt.apps.inspect import read_run
+from fnt.apps.plot import DPI, PANEL_SIZE, panel_keys, panels, plot_runs, series, smooth
 
 # The colours of the first two runs' lines (matplotlib's C0 and C1), as 8-bit RGB.
 RUN_COLOURS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)]

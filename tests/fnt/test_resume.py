@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
-from fnt.monitors import repair_metrics_
+from fnt.obs.monitors import repair_metrics_
 from fnt.resume import (
     FIXED,
     LAUNCH,
@@ -28,7 +28,7 @@ from fnt.resume import (
     refusal,
     resolve_resume_step,
 )
-from fnt.rundir import (
+from fnt.store.rundir import (
     ABANDONED_DIR,
     COMPLETE_MARKER,
     abandoned_names,

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import ConfigError, ParallelConfig
-from fnt.moe import num_experts_of
-from fnt.parallel import ParallelDims, plan_parallel_dims, resolve_ep
-from fnt.runtime import threads_per_rank
+from fnt.dist.parallel import ParallelDims, plan_parallel_dims, resolve_ep
+from fnt.dist.runtime import threads_per_rank
+from fnt.model.moe import num_experts_of
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

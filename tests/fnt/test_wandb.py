@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fnt.config import Config, WandbConfig
-from fnt.monitors import (
+from fnt.obs.monitors import (
     WANDB_ID_FILE,
     WANDB_QUEUE_ROWS,
     WandbMonitor,

@@ -11,11 +11,11 @@ from fnt.batch import DataPosition, SftBatch
 from fnt.build import save_state_
 from fnt.config import Config, ConfigError, ModelConfig, OptimConfig
 from fnt.data.synthetic import synthetic_rows, take_rows
+from fnt.dist.runtime import setup_trainer
 from fnt.loop import fold
 from fnt.optim.adamw import CPUAdamW
 from fnt.optim.offload import node_cpus, numa_binding, numa_node_of, parse_cpulist
 from fnt.optim.setup import NO_OFFLOAD, fp32_module_names, offload_plan
-from fnt.runtime import setup_trainer
 from fnt.start import start_state
 from steps.sft import sft_step
 

@@ -1,5 +1,5 @@
-"""The chunked LM head (fnt/lm_head.py) against the full-logits path: same losses, metric sums and
-gradients for SFT and RL, untied and tied heads, in one process and at 2 ranks under FSDP2; and
+"""The chunked LM head (fnt/model/lm_head.py) against the full-logits path: same losses, metric sums
+and gradients for SFT and RL, untied and tied heads, in one process and at 2 ranks under FSDP2; and
 no [T, V] float tensor in its forward or backward."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch, SftBatch
 from fnt.config import ParallelConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
-from fnt.lm_head import chunked_head, loss_tokens_of
+from fnt.dist.parallel import plan_parallel_dims
+from fnt.dist.runtime import Runtime
+from fnt.model.lm_head import chunked_head, loss_tokens_of
 from fnt.optim.setup import NO_OFFLOAD
-from fnt.parallel import plan_parallel_dims
-from fnt.runtime import Runtime
 from fnt.update import accumulate_gradients_, forward_loss_tokens
 from steps.rl import rl_gradients_
 from steps.sft import sft_loss

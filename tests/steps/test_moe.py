@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fnt.data.synthetic import synthetic_rows
-from fnt.moe import moe_metrics, router_stats
+from fnt.model.moe import moe_metrics, router_stats
 from steps.sft import sft_step
 from tests.e2e.helpers import config_args, read_metrics, run_cli
 from tests.steps.test_sft import batch_of, make_state

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fnt.batch import PackedRows, RLMicroBatch
 from fnt.config import RLLossConfig
-from fnt.lm_head import logprobs_from_logits, loss_tokens_of
+from fnt.model.lm_head import logprobs_from_logits, loss_tokens_of
 from fnt.update import StepTotals
 from steps.rl import SUM_KEYS, policy_loss, rl_loss, rl_metrics
 from steps.rl_losses import (

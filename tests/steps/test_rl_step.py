@@ -11,10 +11,10 @@ import torch
 
 from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
-from fnt.collectives import all_reduce_sum
 from fnt.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
-from fnt.runtime import setup_trainer
+from fnt.dist.collectives import all_reduce_sum
+from fnt.dist.runtime import setup_trainer
 from fnt.update import packed_logits
 from steps.rl import rl_gradients_, rl_step
 

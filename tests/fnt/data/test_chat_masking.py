@@ -11,7 +11,7 @@ from fnt.config import DataSourceConfig
 from fnt.data import load_corpus
 from fnt.data.chat import ChatMasking, has_generation_blocks, tokenize_conversation
 from fnt.errors import DataError
-from fnt.tokenizer import stop_token_ids
+from fnt.model.tokenizer import stop_token_ids
 from tests.fnt.data.test_chat_templates import MULTI, decoded
 
 # ChatML with the assistant text and its end-of-turn token marked for training.

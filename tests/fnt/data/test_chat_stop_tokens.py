@@ -8,7 +8,7 @@ import pytest
 
 from fnt.data.chat import ChatMasking, tokenize_conversation
 from fnt.errors import ConfigError
-from fnt.tokenizer import chat_template_text, stop_token_ids, template_end_of_turn_id
+from fnt.model.tokenizer import chat_template_text, stop_token_ids, template_end_of_turn_id
 from tests.chat_fixtures import fixture_tokenizer
 from tests.fnt.data.test_chat_templates import SINGLE, decoded
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fnt.data.chat import ChatMasking, tokenize_conversation
-from fnt.tokenizer import stop_token_ids
+from fnt.model.tokenizer import stop_token_ids
 from tests.chat_fixtures import FAMILIES, fixture_tokenizer, load_fixture
 
 TOOLS = [

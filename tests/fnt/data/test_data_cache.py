@@ -18,7 +18,7 @@ from fnt.data import DataError, load_corpus
 from fnt.data.cache import DataCache, merge_shares
 from fnt.data.chat import ChatMasking
 from fnt.data.load import tokenize_share
-from fnt.tokenizer import stop_token_ids
+from fnt.model.tokenizer import stop_token_ids
 
 RECORDS = [
     {"prompt": f"count to {i}", "completion": " ".join(map(str, range(1, i + 2)))} for i in range(7)

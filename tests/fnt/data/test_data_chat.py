@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from fnt.data import conversation_from_record, tokenize_conversation
 from fnt.data.chat import ChatMasking
-from fnt.tokenizer import stop_token_ids
+from fnt.model.tokenizer import stop_token_ids
 
 contents = st.text(max_size=20)
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt import init_state
 from fnt.config import ModelConfig, RLConfig, RolloutConfig, RuntimeConfig
-from fnt.runtime import setup_trainer
+from fnt.dist.runtime import setup_trainer
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +50,9 @@ def rl_config(model_dir, prompts, **rollout) -> RLConfig:
 def one_process_runtime():
     """The Runtime of a plain one-process CPU run, without setup_trainer's side effects."""
     from fnt.config import ParallelConfig
+    from fnt.dist.parallel import plan_parallel_dims
+    from fnt.dist.runtime import Runtime
     from fnt.optim.setup import NO_OFFLOAD
-    from fnt.parallel import plan_parallel_dims
-    from fnt.runtime import Runtime
 
     return Runtime(
         rank=0,

@@ -3,7 +3,7 @@ generates): `--rollout.reward tests.fnt.rollout.counting_reward:reward`."""
 
 from __future__ import annotations
 
-from fnt.rewards import ascii_letters
+from fnt.rollout.rewards import ascii_letters
 
 calls: list[str] = []
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
+from fnt.dist.runtime import setup_trainer
 from fnt.loop import fold
-from fnt.rollout.engine import InProcessEngine, rollout_policy_step
-from fnt.rundir import COMPONENTS_DIR
-from fnt.runtime import setup_trainer
+from fnt.rollout.engines.in_process import InProcessEngine, rollout_policy_step
 from fnt.sources import rl_source
+from fnt.store.rundir import COMPONENTS_DIR
 from steps import rl_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,

@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
+from fnt.dist.runtime import setup_trainer
 from fnt.errors import DataError
 from fnt.loop import fold
-from fnt.rewards import score, similarity
 from fnt.rollout import (
     Completion,
     InProcessEngine,
@@ -27,7 +27,7 @@ from fnt.rollout import (
     score_groups,
 )
 from fnt.rollout.pack import ROW_MULTIPLE
-from fnt.runtime import setup_trainer
+from fnt.rollout.rewards import score, similarity
 from fnt.sources import rl_source
 from fnt.state import Progress, StaleStateError
 from fnt.update import packed_logits
@@ -222,7 +222,7 @@ def test_setup_errors_surface_when_the_engine_is_built(policy_dir, prompts_file)
 def test_reward_results_and_failures_are_checked_and_name_the_prompt():
     record, where = {"prompt": "a"}, "the prompt of line 7 of rollout.prompts"
     assert score(["a", "b"], record, lambda text, sample: text == "a", "is_a", where) == [1.0, 0.0]
-    # NaN and inf pass: rollout.on_bad_reward decides about them (fnt.rewards.keep_group).
+    # NaN and inf pass: rollout.on_bad_reward decides about them (fnt.rollout.rewards.keep_group).
     nan_if_a = lambda text, sample: float("nan") if text == "a" else 1  # noqa: E731
     nan = score(["a", "b"], record, nan_if_a, "x", where)
     assert math.isnan(nan[0]) and nan[1] == 1.0

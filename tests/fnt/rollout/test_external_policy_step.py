@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from fnt.errors import DataError
-from fnt.rollout.external import RolloutTimeout, wait_for_fresh_rollouts
-from fnt.transaction import begin_dir_, commit_dir_
+from fnt.rollout.engines.external import RolloutTimeout, wait_for_fresh_rollouts
+from fnt.store.transaction import begin_dir_, commit_dir_
 
 
 def write_rollouts(path, policy_step=None) -> None:

@@ -9,11 +9,11 @@ import types
 import pytest
 
 from fnt.config import ModelConfig, RLConfig, RLLossConfig, RolloutConfig
+from fnt.dist.runtime import setup_trainer
 from fnt.errors import DataError
-from fnt.rollout.external import ExternalRollouts, parse_sample, rollout_dir
-from fnt.runtime import setup_trainer
+from fnt.rollout.engines.external import ExternalRollouts, parse_sample, rollout_dir
 from fnt.state import Progress
-from fnt.transaction import COMPLETE_MARKER
+from fnt.store.transaction import COMPLETE_MARKER
 
 
 def line(**fields) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fnt.rewards import REWARDS, exact_match, reward_function, similarity
+from fnt.rollout.rewards import REWARDS, exact_match, reward_function, similarity
 
 
 def length_reward(completion: str, sample: dict) -> float:

@@ -12,11 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from fnt.apps.vllm_serve import serve_command
 from fnt.config import ConfigError, LoraConfig, RLConfig, RolloutConfig, VLLMConfig, validate
 from fnt.errors import DataError, ServerError
-from fnt.rollout.external import published_kind
-from fnt.rollout.vllm import ServerClient, completion_request, parse_completions
-from fnt.vllm_serve import serve_command
+from fnt.rollout.engines.external import published_kind
+from fnt.rollout.engines.vllm import ServerClient, completion_request, parse_completions
 
 
 class FakeServer:
@@ -347,7 +347,7 @@ def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_pa
     import sys
     from urllib.parse import urlparse
 
-    from fnt.vllm_serve import local_server
+    from fnt.apps.vllm_serve import local_server
 
     program, record = tmp_path / "vllm", tmp_path / "argv.json"
     program.write_text(FAKE_VLLM.format(python=sys.executable, record=str(record)))
@@ -367,7 +367,7 @@ def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_pa
 
 
 def test_a_local_server_that_exits_at_start_up_is_an_error_showing_its_log(tmp_path):
-    from fnt.vllm_serve import local_server
+    from fnt.apps.vllm_serve import local_server
 
     program = tmp_path / "vllm"
     program.write_text("#!/bin/sh\necho 'no CPU support here' >&2\nexit 1\n")
@@ -380,7 +380,7 @@ def test_a_local_server_that_exits_at_start_up_is_an_error_showing_its_log(tmp_p
 def test_nccl_weight_transfer_without_cuda_is_a_config_error_naming_the_key(monkeypatch):
     import torch
 
-    from fnt.rollout.vllm_nccl import NcclWeightSender
+    from fnt.rollout.engines.vllm_nccl import NcclWeightSender
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="'rollout.vllm.weight_transfer' = 'nccl'.*no CUDA"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from fnt import rl_source
-from fnt.runtime import teardown_trainer
+from fnt.dist.runtime import teardown_trainer
 from tests.fnt.rollout.conftest import rl_config, rl_state, scale_weights_
 
 

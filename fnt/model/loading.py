@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
-from fnt.lora import add_adapters_, init_adapters_
+from fnt.dist.runtime import Runtime
+from fnt.model.lora import add_adapters_, init_adapters_
+from fnt.model.sharded_load import load_shards_, params_on_meta
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
-from fnt.runtime import Runtime
-from fnt.sharded_load import load_shards_, params_on_meta
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -63,7 +63,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
 
 def empty_hf_model(model_config: ModelConfig) -> nn.Module:
     """The model's architecture with its parameters on the meta device (no memory) and its
-    buffers computed; the weights come later (fnt.sharded_load)."""
+    buffers computed; the weights come later (fnt.model.sharded_load)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(model_config.name)
@@ -83,10 +83,11 @@ def load_model(
 
     In one process it is `from_pretrained`. Under torchrun no rank loads the whole model: it is
     built on the meta device, sharded, allocated on the device, and each rank reads its shards
-    from the safetensors files (fnt.sharded_load). ``plan`` (from fnt.optim.setup.offload_plan)
-    gives the FSDP2 offload and mixed-precision policies (setup_trainer has already bound the
-    process to its GPU's NUMA node when offloading). With model.lora.rank > 0 the base is frozen
-    and the adapters (fnt.lora) start from a function of `seed`, on any number of ranks.
+    from the safetensors files (fnt.model.sharded_load). ``plan`` (from
+    fnt.optim.setup.offload_plan) gives the FSDP2 offload and mixed-precision policies
+    (setup_trainer has already bound the process to its GPU's NUMA node when offloading). With
+    model.lora.rank > 0 the base is frozen and the adapters (fnt.model.lora) start from a function
+    of `seed`, on any number of ranks.
     """
     if runtime.distributed:
         model = empty_hf_model(model_config)

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> None:
         help="green trained tokens instead of [[...]] (auto: on a terminal)",
     )
     args, rest = parser.parse_known_args(argv)
-    from fnt.cli import parse_config
+    from fnt.apps.cli import parse_config
     from fnt.config import ConfigError
 
     config, _ = parse_config(rest)
@@ -79,7 +79,7 @@ def show(config, n: int, color: bool) -> None:
     from fnt.data.load import fit_record, source_records
     from fnt.data.sft import chat_masking
     from fnt.errors import DataError
-    from fnt.tokenizer import load_tokenizer
+    from fnt.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(config.model.name)
     masking = chat_masking(config.data, tokenizer)

@@ -43,7 +43,7 @@ from typing import Any, Collection, Optional, Union
 
 from fnt.config import flatten
 from fnt.errors import DataError
-from fnt.rundir import (
+from fnt.store.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
     METRICS_MISSING_FILE,

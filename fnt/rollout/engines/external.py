@@ -23,17 +23,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from fnt.apps.export import without_tied_duplicates
 from fnt.batch import DataPosition, RLBatch
-from fnt.collectives import full_state_dict
 from fnt.config import RLConfig
+from fnt.dist.collectives import full_state_dict
+from fnt.dist.parallel import check_batch_layout, rank_share
+from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
-from fnt.export import without_tied_duplicates
-from fnt.lora import merge_adapters, save_adapter_
-from fnt.parallel import check_batch_layout, rank_share
-from fnt.rollout.engine import reward_metrics
-from fnt.rollout.generate import Completion
+from fnt.model.lora import merge_adapters, save_adapter_
+from fnt.model.tokenizer import load_tokenizer, pad_token_id
+from fnt.rollout.engines.in_process import reward_metrics
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
-from fnt.rundir import (
+from fnt.rollout.sampling import Completion
+from fnt.state import Stateless, TrainState
+from fnt.store.rundir import (
     COMPLETE_MARKER,
     POLICY_STEP_FILE,
     ROLLOUTS_DIR,
@@ -42,10 +45,7 @@ from fnt.rundir import (
     prune_steps_,
     step_dir,
 )
-from fnt.runtime import Runtime
-from fnt.state import Stateless, TrainState
-from fnt.tokenizer import load_tokenizer, pad_token_id
-from fnt.transaction import begin_dir_, commit_dir_
+from fnt.store.transaction import begin_dir_, commit_dir_
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -384,8 +384,8 @@ def publish_weights_(state: TrainState) -> Optional[Path]:
 
     Every rank takes part in gathering the full state dict (a collective under FSDP2; a LoRA
     adapter publish gathers only the trained weights); rank 0 writes the directory through
-    fnt.transaction: a Hugging Face model, or a PEFT adapter (`published_kind`, recorded in its
-    fnt_published.json), and prunes older complete directories beyond rollout.keep_weights. A
+    fnt.store.transaction: a Hugging Face model, or a PEFT adapter (`published_kind`, recorded in
+    its fnt_published.json), and prunes older complete directories beyond rollout.keep_weights. A
     resumed run republishes the step it resumed from, replacing that directory. Returns the
     directory on rank 0, None elsewhere.
     """

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from fnt.config import ConfigError, RLConfig
-from fnt.rollout.external import policy_weights
+from fnt.rollout.engines.external import policy_weights
 from fnt.state import TrainState
 
 

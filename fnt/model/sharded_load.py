@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fnt.errors import ConfigError
-from fnt.lora import base_name, is_adapter_weight
+from fnt.model.lora import base_name, is_adapter_weight
 
 _FUSED_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
 
@@ -129,12 +129,12 @@ def stored_rows(files: SafetensorsDir, key: str, start: int, stop: int) -> torch
 @torch.no_grad()
 def load_shards_(model: nn.Module, model_dir: str | Path) -> None:
     """Copy each rank's rows of every parameter from the safetensors files into the model; a
-    LoRA-adapted model's wrapped base weights under their base names (fnt.lora.base_name)."""
+    LoRA-adapted model's wrapped base weights under their base names (fnt.model.lora.base_name)."""
     from torch.distributed.tensor import DTensor
 
     files = SafetensorsDir(model_dir)
     for key, param in model.named_parameters():  # a tied weight is listed once
-        if is_adapter_weight(key):  # not in the base's files: fnt.lora.init_adapters_
+        if is_adapter_weight(key):  # not in the base's files: fnt.model.lora.init_adapters_
             continue
         start, stop = shard_rows(param)
         local = param.to_local() if isinstance(param, DTensor) else param

@@ -1,7 +1,7 @@
 """Plot runs without W&B: `fnt plot RUN [RUN...] [--keys K,...] [--out FILE.png] [--smooth N]`.
 
 Side effects: `plot_runs` writes a PNG; `main` reads run directories (through
-`fnt.runview.read_run`) and prints. `series`, `smooth` and `panel_keys` are pure.
+`fnt.apps.inspect.read_run`) and prints. `series`, `smooth` and `panel_keys` are pure.
 
 One panel per metric key, step on the x axis, one line per run, labelled with the run
 directory's name and drawn in the same colour in every panel; a validation key is drawn dashed
@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional, Sequence
 
-from fnt.cli import EXIT_BAD_INPUT
+from fnt.apps.cli import EXIT_BAD_INPUT
+from fnt.apps.inspect import RunView, default_keys, notes, read_run
 from fnt.errors import DataError
-from fnt.runview import RunView, default_keys, notes, read_run
 
 MISSING_MATPLOTLIB = "error: fnt plot needs matplotlib; install it with: pip install 'fnt[plot]'"
 # Each panel is PANEL_SIZE inches at DPI, so the PNG is (columns * 400) x (rows * 240) pixels:

@@ -22,11 +22,11 @@ from torch import nn
 from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
-from fnt.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
-from fnt.model import DTYPES, load_hf_model
-from fnt.rundir import COMPLETE_MARKER
-from fnt.tokenizer import load_tokenizer
-from fnt.transaction import is_complete
+from fnt.model.loading import DTYPES, load_hf_model
+from fnt.model.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
+from fnt.model.tokenizer import load_tokenizer
+from fnt.store.rundir import COMPLETE_MARKER
+from fnt.store.transaction import is_complete
 
 
 def saved_lora(ckpt_dir: Path) -> LoraConfig:
@@ -37,7 +37,8 @@ def saved_lora(ckpt_dir: Path) -> LoraConfig:
 
 def check_base(ckpt_dir: Path) -> str:
     """The base model directory of a checkpoint; a CheckpointError when a LoRA checkpoint's base
-    has changed since (fnt.lora.base_fingerprint), so its adapters would adapt another model."""
+    has changed since (fnt.model.lora.base_fingerprint), so its adapters would adapt another
+    model."""
     meta = read_meta(ckpt_dir)
     base, recorded = meta["model_name"], meta.get("base_fingerprint")
     if recorded is not None and base_fingerprint(base) != recorded:

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from fnt.rundir import COMPLETE_MARKER, PARTIAL_SUFFIX
+from fnt.store.rundir import COMPLETE_MARKER, PARTIAL_SUFFIX
 
 
 def is_complete(path: Path) -> bool:

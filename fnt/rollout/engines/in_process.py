@@ -12,7 +12,7 @@ One step's rollout, on every rank at the same point of the fold:
 3. the rank's prompts decode together, group_size completions each, sampled from the copy; each
    prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in the
    step), so a step's samples do not depend on the number of ranks and a resumed run draws
-   exactly what an uninterrupted one would (fnt.rollout.generate);
+   exactly what an uninterrupted one would (fnt.rollout.sampling);
 4. each completion is scored by the reward function, advantages are relative within the group;
 5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
    as many on every rank (the most any rank needs).
@@ -32,20 +32,20 @@ import torch
 from torch import nn
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.collectives import all_reduce_max, all_reduce_sum, full_state_dict
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
+from fnt.dist.collectives import all_reduce_max, all_reduce_sum, full_state_dict
+from fnt.dist.parallel import check_batch_layout, rank_bounds, rank_share
+from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
-from fnt.lora import add_adapters_, is_adapted
-from fnt.model import load_hf_model
-from fnt.parallel import check_batch_layout, rank_bounds, rank_share
-from fnt.rewards import RewardFn, keep_group, reward_function, score
+from fnt.model.loading import load_hf_model
+from fnt.model.lora import add_adapters_, is_adapted
+from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from fnt.rollout.advantages import group_advantages
-from fnt.rollout.generate import Completion, generate, sampling_seed
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
-from fnt.runtime import Runtime
+from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
+from fnt.rollout.sampling import Completion, generate, sampling_seed
 from fnt.state import TrainState
-from fnt.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 
 
 def inference_copy(config: RLConfig, runtime: Runtime) -> nn.Module:

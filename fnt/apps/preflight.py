@@ -14,9 +14,9 @@ import shlex
 from fnt.config import Config, RLConfig
 from fnt.config.schema import source_kind
 from fnt.errors import ConfigError, DataError
-from fnt.jsonl import jsonl_records
 from fnt.resume import resolve_resume_step
-from fnt.rundir import ckpt_root
+from fnt.store.jsonl import jsonl_records
+from fnt.store.rundir import ckpt_root
 
 # Any one of these is a tokenizer transformers can load without extra packages' guesswork.
 TOKENIZER_FILES = (

@@ -5,7 +5,7 @@ A reward function is `fn(completion: str, sample: dict) -> float`: `completion` 
 text decoded without special tokens (so without the closing eos), `sample` is the prompt's JSONL
 record with all its fields (e.g. "answer"). `reward_function(name)` resolves either a name in
 REWARDS or a "module:function" string naming any importable function of that shape
-(`import_function`, which `loss.custom` uses too).
+(`fnt.config.references.import_function`, which `loss.custom` uses too).
 
 A reward that is NaN or infinite is bad. `rollout.on_bad_reward` decides (`keep_group`): "error"
 stops the run with a message naming the reward and the prompt's line; "skip" gives the whole
@@ -18,13 +18,13 @@ is skipped this way has only zero advantages and makes no update (steps/rl.py).
 from __future__ import annotations
 
 import difflib
-import importlib
-import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Sequence
+
+from fnt.config.references import import_function
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -63,33 +63,6 @@ REWARDS: Mapping[str, RewardFn] = MappingProxyType(
     {"ascii_letters": ascii_letters, "exact_match": exact_match, "similarity": similarity}
 )
 """The registered rewards, by the name `rollout.reward` uses."""
-
-
-def import_function(name: str, num_args: int) -> Callable[..., Any]:
-    """The function a "module:function" string names. ValueError saying what is wrong when the
-    string has another form, the module cannot be imported, lacks the attribute, or the
-    attribute is not callable or cannot take `num_args` positional arguments."""
-    module_name, colon, attr = name.partition(":")
-    if not colon or not module_name or not attr:
-        raise ValueError(f"{name!r} is not of the form 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{name!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"{name!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ValueError(f"{name!r}: {module_name}.{attr} is not callable")
-    try:
-        inspect.signature(fn).bind(*([None] * num_args))
-    except TypeError as e:
-        raise ValueError(
-            f"{name!r}: {module_name}.{attr} cannot take {num_args} positional arguments ({e})"
-        ) from None
-    except ValueError:  # no signature to inspect (some builtins): the call will tell
-        pass
-    return fn
 
 
 def reward_function(name: str) -> RewardFn:

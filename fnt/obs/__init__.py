@@ -1,0 +1,2 @@
+"""Observing a run: metric groups and the one host sync (metrics), the monitors that rows go to
+(monitors), what rank 0 prints (console) and the profiler window (profiler)."""

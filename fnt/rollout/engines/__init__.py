@@ -1,0 +1,1 @@
+"""Rollout engines: where each step's RL samples come from (in-process, vLLM, external)."""

@@ -1,0 +1,2 @@
+"""What fnt keeps on disk: the run directory's names and decisions (rundir), directory
+transactions (transaction), checksums of checkpoints, and strict JSONL reading (jsonl)."""
