@@ -25,7 +25,7 @@ from fnt.model.loading import load_model
 from fnt.obs.console import say
 from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
 from fnt.state import Handles, Progress, StepCursor, TrainState
-from fnt.store.rundir import ckpt_root
+from fnt.store.rundir import DATA_CACHE_DIR, ckpt_root
 
 
 def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
@@ -86,7 +86,6 @@ def data_cache(config: Config, runtime: Runtime):
     import torch.distributed as dist
 
     from fnt.data.cache import DataCache
-    from fnt.store.rundir import DATA_CACHE_DIR
 
     directory = Path(config.data.cache_dir or Path(config.output_dir) / DATA_CACHE_DIR)
     return DataCache(

@@ -22,11 +22,10 @@ from torch import nn
 from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
-from fnt.model.loading import DTYPES, load_hf_model
+from fnt.model.loading import DTYPES, load_hf_model, without_tied_duplicates
 from fnt.model.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer
-from fnt.store.rundir import COMPLETE_MARKER
-from fnt.store.transaction import is_complete
+from fnt.store.transaction import COMPLETE_MARKER, is_complete
 
 
 def saved_lora(ckpt_dir: Path) -> LoraConfig:
@@ -72,24 +71,6 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
         dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
     model.load_state_dict(state["model"], strict=not lora.rank)
     return model.eval()
-
-
-def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
-    """`state_dict` without the later names of a parameter the model shares (tied embeddings:
-    `lm_head.weight` is `model.embed_tokens.weight`), for `save_pretrained(state_dict=...)`.
-
-    save_pretrained drops such a name only when both entries are one tensor. A full state dict
-    gathered from FSDP2 shards holds a copy per name, so without this a tied model's directory
-    would hold its embedding twice (600 MB more for Qwen3-0.6B in float32). A tied model's files
-    hold the first name only, which from_pretrained ties back."""
-    first: dict[int, str] = {}
-    later = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            later.add(name)
-        else:
-            first[id(param)] = name
-    return {key: value for key, value in state_dict.items() if key not in later}
 
 
 def export_hf_(

@@ -76,8 +76,8 @@ def main(argv: list[str]) -> None:
 
 def show(config, n: int, color: bool) -> None:
     """Print the first `n` samples of the config's data sources, in source order."""
+    from fnt.data.chat import chat_masking
     from fnt.data.load import fit_record, source_records
-    from fnt.data.sft import chat_masking
     from fnt.errors import DataError
     from fnt.model.tokenizer import load_tokenizer
 

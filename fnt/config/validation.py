@@ -1,6 +1,6 @@
 """Cross-field validation of a built config: values, several fields, the world size. Pure.
 
-The parallel plan is checked here with the same rules as at setup (fnt.dist.parallel), so a plan
+The parallel plan is checked here with the same rules as at setup (fnt.config.parallel), so a plan
 that cannot run is rejected on the command line, before torch is imported.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fnt.config.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.config.references import import_function
 from fnt.config.schema import (
     CHAT_ROLES,
@@ -19,7 +20,6 @@ from fnt.config.schema import (
     repeated_source_names,
     source_name,
 )
-from fnt.dist.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.errors import ConfigError
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import xxhash
 
+from fnt.data.hub import load_hf_dataset
 from fnt.errors import DataError
 from fnt.store.checksums import file_digest
 
@@ -143,8 +144,6 @@ def content_digest(source: Any, files: list[Path]) -> str:
     """A hash of a source's contents: its files' sizes and hashes, in order; for a dataset, its
     `datasets` fingerprint."""
     if source.dataset:
-        from fnt.data.load import load_hf_dataset
-
         return load_hf_dataset(source.dataset, source.subset, source.split)._fingerprint
     hasher = xxhash.xxh3_128()
     for path in files:

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 from jinja2 import TemplateError
 
 from fnt.config.schema import CHAT_ROLES
+from fnt.model.tokenizer import chat_template_text, stop_token_ids
 
 Message = Mapping[str, Any]
 Sample = tuple[list[int], list[bool]]
@@ -472,3 +473,23 @@ def _generation_sample(
         last_start = max(i for i, t in enumerate(targets) if t and (i == 0 or not targets[i - 1]))
         targets = [t and i >= last_start for i, t in enumerate(targets)]
     return input_ids, targets
+
+
+class MaskingConfig(Protocol):
+    loss_mask: Sequence[str]
+    train_turns: str
+    train_reasoning: bool
+    chat_template: str
+
+
+def chat_masking(data_cfg: MaskingConfig, tokenizer: Any) -> ChatMasking:
+    """The masking settings of `data_cfg` for `tokenizer`, whose directory (its name_or_path)
+    holds the model's generation_config.json."""
+    template = chat_template_text(data_cfg.chat_template)
+    return ChatMasking(
+        roles=frozenset(data_cfg.loss_mask),
+        turns=data_cfg.train_turns,
+        reasoning=data_cfg.train_reasoning,
+        stop_ids=stop_token_ids(tokenizer, tokenizer.name_or_path or None, template),
+        chat_template=template,
+    )

@@ -14,12 +14,13 @@ from typing import Protocol, Sequence
 
 from fnt.batch import SftBatch
 from fnt.data.cache import DataCache
+from fnt.data.chat import chat_masking
 from fnt.data.corpus import Corpus
 from fnt.data.load import DataSource, load_corpus
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
 from fnt.dist.parallel import check_batch_layout, rank_share
-from fnt.model.tokenizer import chat_masking, pad_token_id
+from fnt.model.tokenizer import pad_token_id
 from fnt.state import Progress, Stateless
 
 

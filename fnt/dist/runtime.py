@@ -1,6 +1,6 @@
 """Process setup shared by every trainer. Side effects: process group, threads, matmul precision.
 
-The decisions are pure functions (`plan_parallel_dims` and `resolve_ep` from fnt.dist.parallel,
+The decisions are pure functions (`plan_parallel_dims` and `resolve_ep` from fnt.config.parallel,
 `threads_per_rank`); `setup_trainer` applies them and returns a frozen Runtime record;
 `teardown_trainer` undoes the process group.
 """
@@ -21,7 +21,7 @@ from fnt.config import Config, ConfigError
 from fnt.model.moe import num_experts_of
 from fnt.optim.offload import bind_numa_
 from fnt.optim.setup import OffloadPlan, offload_plan
-from fnt.dist.parallel import ParallelDims, plan_parallel_dims, resolve_ep
+from fnt.config.parallel import ParallelDims, plan_parallel_dims, resolve_ep
 
 
 def threads_per_rank(cpus_available: int, local_world_size: int) -> int:

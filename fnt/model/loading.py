@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
-from fnt.dist.runtime import Runtime
 from fnt.model.lora import add_adapters_, init_adapters_
 from fnt.model.sharded_load import load_shards_, params_on_meta
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
+
+if TYPE_CHECKING:
+    from fnt.dist.runtime import Runtime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -186,3 +188,21 @@ def shard_model_(model: nn.Module, mesh: Any, plan: OffloadPlan = NO_OFFLOAD) ->
         if unit not in sharded:
             fully_shard(unit, mesh=mesh, **fp32_policies)
     fully_shard(model, mesh=mesh, **policies)
+
+
+def without_tied_duplicates(model: nn.Module, state_dict: dict) -> dict:
+    """`state_dict` without the later names of a parameter the model shares (tied embeddings:
+    `lm_head.weight` is `model.embed_tokens.weight`), for `save_pretrained(state_dict=...)`.
+
+    save_pretrained drops such a name only when both entries are one tensor. A full state dict
+    gathered from FSDP2 shards holds a copy per name, so without this a tied model's directory
+    would hold its embedding twice (600 MB more for Qwen3-0.6B in float32). A tied model's files
+    hold the first name only, which from_pretrained ties back."""
+    first: dict[int, str] = {}
+    later = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            later.add(name)
+        else:
+            first[id(param)] = name
+    return {key: value for key, value in state_dict.items() if key not in later}

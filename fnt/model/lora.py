@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from fnt.config import ConfigError, LoraConfig
+from fnt.model.shards import shard_rows
 
 ADAPTER = "default"  # PEFT's adapter name: fnt trains one adapter per model
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -144,8 +145,6 @@ def init_adapters_(model: nn.Module, seed: int) -> None:
     rows of it. The modules_to_save copies hold the base's values already (read from its files
     like the base's own)."""
     from torch.distributed.tensor import DTensor
-
-    from fnt.model.sharded_load import shard_rows
 
     for name, param in model.named_parameters():
         if not is_adapter_weight(name):

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from fnt.errors import ConfigError
 from fnt.model.lora import base_name, is_adapter_weight
+from fnt.model.shards import shard_rows
 
 _FUSED_EXPERTS = re.compile(r"(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
 
@@ -78,35 +78,6 @@ class SafetensorsDir:
 
     def __contains__(self, key: str) -> bool:
         return key in self.where
-
-
-def shard_bounds(
-    rows: int, placements: Sequence[Any], coordinate: Sequence[int], mesh_sizes: Sequence[int]
-) -> tuple[int, int]:
-    """[start, stop) of dim 0 held at `coordinate` of a mesh by a tensor of `rows` rows placed
-    with `placements` (Shard(0) in torch.chunk pieces, or Replicate). Pure."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    start, stop = 0, rows
-    for placement, index, size in zip(placements, coordinate, mesh_sizes, strict=True):
-        if isinstance(placement, Shard) and placement.dim == 0:
-            chunk = math.ceil(rows / size)
-            start = min(rows, index * chunk)
-            stop = min(rows, start + chunk)
-        elif not isinstance(placement, Replicate):
-            raise ValueError(f"sharded loading expects dim-0 shards, got {placements}")
-    return start, stop
-
-
-def shard_rows(param: torch.Tensor) -> tuple[int, int]:
-    """[start, stop) of dim 0 that this rank's shard of `param` holds (a plain tensor: all)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return 0, param.shape[0]
-    mesh = param.device_mesh
-    sizes = [mesh.size(d) for d in range(mesh.ndim)]
-    return shard_bounds(param.shape[0], param.placements, mesh.get_coordinate(), sizes)
 
 
 def stored_rows(files: SafetensorsDir, key: str, start: int, stop: int) -> torch.Tensor:

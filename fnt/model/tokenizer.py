@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any
 
 from jinja2 import TemplateError
 
 from fnt.errors import ConfigError
-
-if TYPE_CHECKING:
-    from fnt.data.chat import ChatMasking
 
 # A chat whose assistant content is easy to find in the rendering: the first special token after
 # it is the template's end-of-turn token.
@@ -114,25 +111,3 @@ def chat_template_text(value: str) -> str | None:
             f"'data.chat_template' = {value!r}: not a template (it has no {{{{ or {{%) and not a "
             f"readable file: {e}"
         ) from e
-
-
-class MaskingConfig(Protocol):
-    loss_mask: Sequence[str]
-    train_turns: str
-    train_reasoning: bool
-    chat_template: str
-
-
-def chat_masking(data_cfg: MaskingConfig, tokenizer: Any) -> ChatMasking:
-    """The masking settings of `data_cfg` for `tokenizer`, whose directory (its name_or_path)
-    holds the model's generation_config.json."""
-    from fnt.data.chat import ChatMasking  # fnt.data imports this module
-
-    template = chat_template_text(data_cfg.chat_template)
-    return ChatMasking(
-        roles=frozenset(data_cfg.loss_mask),
-        turns=data_cfg.train_turns,
-        reasoning=data_cfg.train_reasoning,
-        stop_ids=stop_token_ids(tokenizer, tokenizer.name_or_path or None, template),
-        chat_template=template,
-    )

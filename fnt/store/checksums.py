@@ -21,7 +21,8 @@ from typing import Mapping, Sequence
 
 import xxhash
 
-from fnt.store.rundir import CHECKSUMS_FILE, COMPLETE_MARKER
+from fnt.store.rundir import CHECKSUMS_FILE
+from fnt.store.transaction import COMPLETE_MARKER, write_synced_
 
 HASH = "xxh3_128"
 
@@ -64,8 +65,6 @@ def digests(directory: Path, names: Sequence[str]) -> dict[str, Digest]:
 
 def write_checksums_(directory: Path, recorded: Mapping[str, Digest]) -> None:
     """Write `checksums.json` (fsynced) into a checkpoint being written."""
-    from fnt.store.transaction import write_synced_
-
     text = json.dumps({"hash": HASH, "files": dict(sorted(recorded.items()))}, indent=1)
     write_synced_(Path(directory) / CHECKSUMS_FILE, text + "\n")
 

@@ -43,6 +43,7 @@ from typing import IO, Collection, Iterable, Iterator, Optional, Union
 
 from fnt.errors import ConfigError
 from fnt.faults import fault_point
+from fnt.store.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX, fsync_dir
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -63,9 +64,6 @@ COMPONENTS_DIR = "components"
 # Inside rollouts/step_N.
 SAMPLES_FILE = "samples.jsonl"
 POLICY_STEP_FILE = "policy_step"
-# The transaction's names (fnt.store.transaction).
-COMPLETE_MARKER = "COMPLETE"
-PARTIAL_SUFFIX = ".partial"
 
 _STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
 
@@ -203,8 +201,6 @@ def move_aside_(root: PathLike, names: list[str]) -> list[tuple[Path, Path]]:
     """Move the named entries of root into `abandoned/<UTC time>/`, kept as they were; returns
     the `(from, to)` pairs. Each move is one rename, so a crash in between leaves the rest where
     they were (a start moves them again)."""
-    from fnt.store.transaction import fsync_dir
-
     if not names:
         return []
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")

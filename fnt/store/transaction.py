@@ -19,7 +19,10 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from fnt.store.rundir import COMPLETE_MARKER, PARTIAL_SUFFIX
+# The names that mark a directory's state: committed (it holds COMPLETE), or being written
+# (its name ends in .partial). Every reader of a run directory (fnt.store.rundir) uses these.
+COMPLETE_MARKER = "COMPLETE"
+PARTIAL_SUFFIX = ".partial"
 
 
 def is_complete(path: Path) -> bool:

@@ -16,7 +16,8 @@ from fnt.config import OptimConfig
 from fnt.dist.runtime import setup_trainer
 from fnt.resume import resolve_resume_step
 from fnt.start import start_state
-from fnt.store.rundir import ABANDONED_DIR, COMPLETE_MARKER
+from fnt.store.rundir import ABANDONED_DIR
+from fnt.store.transaction import COMPLETE_MARKER
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -80,46 +76,7 @@ def test_the_sft_source_reads_only_the_state_it_is_given(tiny_model_dir, tmp_pat
     )
 
 
-# The core: the records, the fold and the driver, and what they stand on. None of them may import
-# a source's implementation (fnt.data, fnt.rollout, fnt.evaluation): those plug in through the
-# protocols of fnt.state, built by fnt.build only when a config asks for them.
-CORE = (
-    "fnt.state",
-    "fnt.loop",
-    "fnt.run_context",
-    "fnt.rows",
-    "fnt.start",
-    "fnt.build",
-    "fnt.sources",
-    "fnt.update",
-    "fnt.checkpoint",
-    "fnt.dist.runtime",
-)
-PLUGINS = ("fnt.data", "fnt.rollout", "fnt.evaluation")
-
-# In one fresh interpreter: the core first (which plugins did it load?), then every library
-# module but the command line (is `steps` loaded?).
-IMPORTS_PROBE = f"""
-import importlib, json, pkgutil, sys
-for module in {CORE!r}:
-    importlib.import_module(module)
-plugins = sorted(m for m in sys.modules if m.startswith({PLUGINS!r}))
-import fnt
-for m in pkgutil.walk_packages(fnt.__path__, "fnt."):
-    if m.name != "fnt.__main__":
-        importlib.import_module(m.name)
-print(json.dumps({{"plugins_of_the_core": plugins, "steps": "steps" in sys.modules}}))
-"""
-
-
-@pytest.fixture(scope="module")
-def imports() -> dict:
-    done = subprocess.run([sys.executable, "-c", IMPORTS_PROBE], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_the_public_api_is_documented_and_fnt_never_imports_steps(imports):
+def test_the_public_api_is_documented():
     import fnt
 
     for name in fnt.__all__:
@@ -127,9 +84,3 @@ def test_the_public_api_is_documented_and_fnt_never_imports_steps(imports):
         # dataclasses make up a signature as the docstring of a class that has none
         assert doc and doc.strip() and not doc.startswith(name + "("), f"fnt.{name}: no docstring"
     from fnt.optim import CPUAdamW  # noqa: F401  (the path the native optimizer is known by)
-
-    assert not imports["steps"]  # every library module imported, and `steps` is not
-
-
-def test_the_core_imports_no_plugin(imports):
-    assert imports["plugins_of_the_core"] == []

@@ -507,7 +507,7 @@ def test_batch_size_divisible_by_micro_batch_times_dp(batch, micro, shard, repli
     ],
 )
 def test_validate_rejects_a_bad_parallel_plan(parallel, world, message):
-    """The same rules and messages as at setup (fnt.dist.parallel), before any model is loaded."""
+    """The same rules and messages as at setup (fnt.config.parallel), before any model is loaded."""
     with pytest.raises(ConfigError, match=message):
         validate(Config(batch_size=16, micro_batch_size=1, parallel=parallel), world)
 

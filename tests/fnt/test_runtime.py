@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import ConfigError, ParallelConfig
-from fnt.dist.parallel import ParallelDims, plan_parallel_dims, resolve_ep
+from fnt.config.parallel import ParallelDims, plan_parallel_dims, resolve_ep
 from fnt.dist.runtime import threads_per_rank
 from fnt.model.moe import num_experts_of
 

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from fnt.config import ModelConfig
 from fnt.model.loading import empty_hf_model
-from fnt.model.sharded_load import SafetensorsDir, shard_bounds
+from fnt.model.sharded_load import SafetensorsDir
+from fnt.model.shards import shard_bounds
 from tests.e2e.helpers import run_script
 
 from .sharded_load_check import INPUT_IDS

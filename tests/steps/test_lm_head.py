@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch, SftBatch
 from fnt.config import ParallelConfig, RLLossConfig
+from fnt.config.parallel import plan_parallel_dims
 from fnt.data.synthetic import take_rows
-from fnt.dist.parallel import plan_parallel_dims
 from fnt.dist.runtime import Runtime
 from fnt.model.lm_head import chunked_head, loss_tokens_of
 from fnt.optim.setup import NO_OFFLOAD

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from fnt.apps.export import without_tied_duplicates
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig
 from fnt.dist.collectives import full_state_dict
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
+from fnt.model.loading import without_tied_duplicates
 from fnt.model.lora import merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.engines.in_process import reward_metrics

@@ -51,7 +51,7 @@ from fnt.rollout.engines.in_process import PromptRollouts, rollout_policy_step
 from fnt.rollout.pack import RolloutSample
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
-from fnt.store.rundir import COMPLETE_MARKER
+from fnt.store.transaction import COMPLETE_MARKER
 
 # Waits between retries of a failed request: doubling from the first to the last.
 FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.25, 4.0

@@ -50,7 +50,7 @@ def rl_config(model_dir, prompts, **rollout) -> RLConfig:
 def one_process_runtime():
     """The Runtime of a plain one-process CPU run, without setup_trainer's side effects."""
     from fnt.config import ParallelConfig
-    from fnt.dist.parallel import plan_parallel_dims
+    from fnt.config.parallel import plan_parallel_dims
     from fnt.dist.runtime import Runtime
     from fnt.optim.setup import NO_OFFLOAD
 
