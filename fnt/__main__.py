@@ -61,15 +61,12 @@ def train_sft(config: Config) -> None:
 
 
 def train_rl(config: RLConfig) -> None:
+    from fnt.build import policy_publisher
     from fnt.loop import run
-    from fnt.rollout.engines.external import publish_weights_
-    from fnt.rollout.engines.vllm import publish_to_vllm_
     from fnt.sources import rl_source
     from steps import rl_step
 
-    # The external and vLLM engines sample from the policies the run publishes.
-    publish = {"external": publish_weights_, "vllm": publish_to_vllm_}
-    run(config, rl_step, rl_source, on_state=publish.get(config.rollout.engine))
+    run(config, rl_step, rl_source, on_state=policy_publisher(config))
 
 
 def train(argv: list[str], cls: type, train_config) -> None:

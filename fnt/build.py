@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
-from fnt.config import Config, LoraConfig, RLConfig
+from fnt.config import Config, LoraConfig, RLConfig, engine_of
+from fnt.config.references import import_function
 from fnt.dist.runtime import Runtime
 from fnt.model.loading import load_model
 from fnt.obs.console import say
@@ -29,26 +30,16 @@ from fnt.store.rundir import DATA_CACHE_DIR, ckpt_root
 
 
 def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
-    """What the configured batch source reads from, built once: the RL rollout engine (the
-    external reader, the vLLM engine, or the in-process engine when rollout.prompts names a
-    file), the tokenized
-    corpus of data.sources or the synthetic rows; nothing for RL batches the caller makes
-    itself. `announce` shows the tokenization's progress and the data's notes (the driver's
-    rank 0; a research loop stays quiet)."""
+    """What the configured batch source reads from, built once: the RL rollout engine
+    rollout.engine names (fnt.config.engines), the tokenized corpus of data.sources or the
+    synthetic rows; nothing for RL batches the caller makes itself (an engine that samples
+    rollout.prompts, with none named). `announce` shows the tokenization's progress and the
+    data's notes (the driver's rank 0; a research loop stays quiet)."""
     if isinstance(config, RLConfig):
-        if not config.rollout.prompts and config.rollout.engine == "in_process":
-            return {}
-        if config.rollout.engine == "external":
-            from fnt.rollout.engines.external import ExternalRollouts
-
-            return {"rollouts": ExternalRollouts(config, runtime)}
-        if config.rollout.engine == "vllm":
-            from fnt.rollout.engines.vllm import VLLMEngine
-
-            return {"rollouts": VLLMEngine(config, runtime)}
-        from fnt.rollout.engines.in_process import InProcessEngine
-
-        return {"rollouts": InProcessEngine(config, runtime)}
+        engine = engine_of(config.rollout)
+        if engine.samples_prompts and not config.rollout.prompts:
+            return {}  # a research loop that makes its RL batches itself
+        return {"rollouts": import_function(engine.build, 2)(config, runtime)}
     layout = dict(
         batch_size=config.batch_size,
         micro_batch_size=config.micro_batch_size,
@@ -78,6 +69,14 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
                 print(note, flush=True)
         return {"data": data}
     raise ValueError(f"unknown data.kind {config.data.kind!r}")
+
+
+def policy_publisher(config: Config) -> Optional[Callable[[TrainState], Any]]:
+    """What the driver calls with every state it reaches so that the rollout engine's samplers
+    get the policy (fnt.config.engines: `publish`), or None."""
+    if not isinstance(config, RLConfig) or not engine_of(config.rollout).publish:
+        return None
+    return import_function(engine_of(config.rollout).publish, 1)
 
 
 def data_cache(config: Config, runtime: Runtime):

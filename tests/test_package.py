@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Run in a fresh virtualenv that holds only the wheel: one native step, checked against the
@@ -65,14 +70,33 @@ def test_the_wheel_ships_the_kernel_source_and_the_fnt_command(wheel):
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = configparser.ConfigParser()
         scripts.read_string(z.read(entry_points).decode())
-    assert {"native/adamw.cpp", "native/build.py", "fnt/__main__.py"} <= names
+    # The kernel's sources live in the top-level native/ and ship as fnt.native: the wheel adds
+    # no import name beside fnt and steps.
+    assert {"fnt/native/adamw.cpp", "fnt/native/build.py", "fnt/__main__.py"} <= names
+    assert {n.split("/")[0] for n in names if "dist-info" not in n} == {"fnt", "steps"}
     assert "fnt/model/tiny_model.py" in names  # the tests' and the demo's models come from it
     assert scripts["console_scripts"]["fnt"] == "fnt.__main__:main"
     # Nothing but the sources of this tree: no module a rename left behind in a build dir.
     modules = {n for n in names if n.endswith(".py")}
-    assert all((REPO / name).is_file() for name in modules), sorted(
-        n for n in modules if not (REPO / n).is_file()
-    )
+    missing = [n for n in modules if not (REPO / source_path(n)).is_file()]
+    assert missing == []
+
+
+def source_path(wheel_name: str) -> str:
+    """Where a file of the wheel comes from in this tree (pyproject.toml's package-dir)."""
+    return wheel_name.replace("fnt/native/", "native/", 1)
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(REPO).parts)
+        for top in ("fnt", "steps")
+        for init in (REPO / top).rglob("__init__.py")
+    }
+    assert (REPO / "native" / "__init__.py").is_file()
+    assert listed == found | {"fnt.native"}
 
 
 @pytest.mark.slow

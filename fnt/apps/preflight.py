@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from fnt.config import Config, RLConfig
+from fnt.config import Config, RLConfig, engine_of
 from fnt.config.schema import source_kind
 from fnt.errors import ConfigError, DataError
 from fnt.resume import resolve_resume_step
@@ -57,7 +57,7 @@ def check_inputs(config: Config, model_name_source: str) -> None:
 
         for first, source in firsts:
             check_record(first, lambda r, s=source: conversation_from_record(chat_record(r, s)))
-    if is_rl and config.rollout.engine == "in_process":
+    if is_rl and engine_of(config.rollout).samples_prompts:
         first = first_record(config.rollout.prompts, "rollout.prompts")
         from fnt.rollout.prompts import prompt_messages
 

@@ -36,7 +36,8 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from fnt.apps.cli import parse_config
-from fnt.config import ConfigError, RLConfig, validate_vllm
+from fnt.config import ConfigError, RLConfig
+from fnt.config.engines import check_vllm
 
 LOCAL_VLLM = Path(".venv-vllm/bin/vllm")
 
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--print", action="store_true", help="print the command, run nothing")
     args, config_args = parser.parse_known_args(argv)
     config, _ = parse_config(config_args, RLConfig)
-    validate_vllm(config.rollout)
+    check_vllm(config.rollout)
     command, env = serve_command(
         config, find_vllm(args.vllm), index=args.index, extra=extra, cuda=has_cuda()
     )

@@ -8,6 +8,7 @@ Nothing here imports torch or transformers, so the scripts reject a bad command 
 about a second.
 """
 
+from fnt.config.engines import ENGINES, Engine, engine_of
 from fnt.config.loading import CliArgs, from_json, load_config, split_cli
 from fnt.config.schema import (
     CkptConfig,
@@ -37,7 +38,7 @@ from fnt.config.schema import (
     to_plain,
     type_name,
 )
-from fnt.config.validation import validate, validate_rollout, validate_vllm
+from fnt.config.validation import validate, validate_rollout
 from fnt.errors import ConfigError
 
 __all__ = [
@@ -47,6 +48,8 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSourceConfig",
+    "ENGINES",
+    "Engine",
     "LoraConfig",
     "VLLMConfig",
     "ModelConfig",
@@ -60,6 +63,7 @@ __all__ = [
     "ValConfig",
     "WandbConfig",
     "all_keys",
+    "engine_of",
     "field_docs",
     "field_types",
     "flatten",
@@ -74,5 +78,4 @@ __all__ = [
     "type_name",
     "validate",
     "validate_rollout",
-    "validate_vllm",
 ]

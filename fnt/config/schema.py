@@ -21,6 +21,8 @@ from typing import Any, Literal, Union, get_args
 
 from dataclasses_json import dataclass_json
 
+from fnt.config.engines import ENGINES
+
 DtypeName = Literal["float32", "bfloat16"]
 """The dtypes a model's parameters or compute can have (fnt.model.loading.DTYPES maps them to
 torch's)."""
@@ -357,12 +359,16 @@ class VLLMConfig:
     """weight_transfer = nccl: rank 0 listens for server i's NCCL group on nccl_port + i."""
 
 
+EngineName = Literal[tuple(ENGINES)]
+"""The names of the rollout engines (fnt.config.engines.ENGINES)."""
+
+
 @dataclass_json
 @dataclass(frozen=True)
 class RolloutConfig:
     """Where RL rollouts come from and how they are sampled and scored."""
 
-    engine: Literal["in_process", "external", "vllm"] = "in_process"
+    engine: EngineName = "in_process"
     """in_process: generate here; external: read {output_dir}/rollouts/; vllm: vLLM servers."""
     prompts: str = ""
     """JSONL file of prompts: {"prompt": ...} or {"messages": [...]}, plus fields for the reward."""

@@ -17,7 +17,7 @@ _EXPORTS = {
     "InProcessEngine": "fnt.rollout.engines.in_process",
     "Prompt": "fnt.rollout.prompts",
     "RolloutSample": "fnt.rollout.pack",
-    "check_prompt_lengths": "fnt.rollout.engines.in_process",
+    "check_prompt_lengths": "fnt.rollout.base",
     "first_fit": "fnt.rollout.pack",
     "generate": "fnt.rollout.sampling",
     "group_advantages": "fnt.rollout.advantages",
@@ -26,10 +26,10 @@ _EXPORTS = {
     "prompt_messages": "fnt.rollout.prompts",
     "prompt_order": "fnt.rollout.prompts",
     "render_prompt": "fnt.rollout.prompts",
-    "reward_metrics": "fnt.rollout.engines.in_process",
-    "rollout_metrics": "fnt.rollout.engines.in_process",
+    "reward_metrics": "fnt.rollout.base",
+    "rollout_metrics": "fnt.rollout.base",
     "sampling_seed": "fnt.rollout.sampling",
-    "score_groups": "fnt.rollout.engines.in_process",
+    "score_groups": "fnt.rollout.base",
     "step_prompts": "fnt.rollout.prompts",
 }
 

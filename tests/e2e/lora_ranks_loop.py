@@ -20,7 +20,7 @@ import torch
 from fnt import init_state, restore_, setup_trainer, sft_source, teardown_trainer
 from fnt.apps.cli import parse_config
 from fnt.config import RLConfig
-from fnt.rollout.engines.external import publish_weights_
+from fnt.rollout.publish import publish_weights_
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss
 from tests.e2e.tied_resume_loop import train

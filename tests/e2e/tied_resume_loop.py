@@ -23,7 +23,7 @@ from fnt import fold, init_state, restore_, setup_trainer, sft_source, teardown_
 from fnt.apps.cli import parse_config
 from fnt.checkpoint import save_checkpoint_
 from fnt.config import RLConfig
-from fnt.rollout.engines.external import publish_weights_
+from fnt.rollout.publish import publish_weights_
 from steps import sft_step
 
 N, K = 4, 2

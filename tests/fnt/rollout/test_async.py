@@ -12,7 +12,8 @@ import torch
 
 from fnt.dist.runtime import setup_trainer
 from fnt.loop import fold
-from fnt.rollout.engines.in_process import InProcessEngine, rollout_policy_step
+from fnt.rollout.base import rollout_policy_step
+from fnt.rollout.engines.in_process import InProcessEngine
 from fnt.sources import rl_source
 from fnt.store.rundir import COMPONENTS_DIR
 from steps import rl_step

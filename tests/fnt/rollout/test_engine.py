@@ -214,9 +214,6 @@ def test_setup_errors_surface_when_the_engine_is_built(policy_dir, prompts_file)
         rl_state(dataclasses.replace(rl_config(policy_dir, prompts_file), seq_len=24))
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         rl_state(rl_config(policy_dir, prompts_file, reward="nope"))
-    config = rl_config(policy_dir, prompts_file, engine="external")
-    with pytest.raises(ConfigError, match="'rollout.engine' = 'external'"):
-        InProcessEngine(config, setup_trainer(config))
 
 
 def test_reward_results_and_failures_are_checked_and_name_the_prompt():

@@ -15,8 +15,8 @@ import pytest
 from fnt.apps.vllm_serve import serve_command
 from fnt.config import ConfigError, LoraConfig, RLConfig, RolloutConfig, VLLMConfig, validate
 from fnt.errors import DataError, ServerError
-from fnt.rollout.engines.external import published_kind
 from fnt.rollout.engines.vllm import ServerClient, completion_request, parse_completions
+from fnt.rollout.publish import published_kind
 
 
 class FakeServer:
