@@ -143,6 +143,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "wandb.name": MAY_CHANGE,
     "wandb.timeout_s": MAY_CHANGE,
     "wandb.finish_timeout_s": MAY_CHANGE,
+    "monitors": MAY_CHANGE,
     "runtime.num_threads": MAY_CHANGE,
     "runtime.matmul_precision": MAY_CHANGE,
     "runtime.dist_timeout_s": MAY_CHANGE,

@@ -289,6 +289,8 @@ class Config:
     """Parallel dimensions."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases."""
+    monitors: tuple[str, ...] = ()
+    """Monitors of your own, "module:Class", each built on rank 0 as Class(config, start_step)."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """Process-level settings."""
 

@@ -36,6 +36,14 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     require(config.micro_batch_size >= 1, "micro_batch_size", "must be at least 1")
     require(config.seq_len >= 2, "seq_len", "must be at least 2")
     require(config.trace_steps >= 0, "trace_steps", "must be 0 (all steps) or more")
+    for i, name in enumerate(config.monitors):
+        try:
+            import_function(name, 2)
+        except ValueError as e:
+            raise ConfigError(
+                f"'monitors[{i}]': {e}; a monitor is a class built as Class(config, start_step) "
+                "with log(row) and close() (fnt.obs.monitors)"
+            ) from None
     require(config.optim.lr >= 0, "optim.lr", "must be >= 0")
     require(config.optim.eps > 0, "optim.eps", "must be > 0")
     require(config.optim.max_norm >= 0, "optim.max_norm", "must be >= 0 (0 measures only)")

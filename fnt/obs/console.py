@@ -1,15 +1,18 @@
 """What rank 0 prints while a run starts and when it ends, so that a user sees progress from the
 first second: one line per start-up phase with the seconds since the start, a progress bar while
 data is tokenized (tqdm, only when stdout is a terminal; plain lines otherwise), the start-up
-summary and the end summary. Side effects: prints, rank 0 only (the caller says which rank).
-Nothing here goes to metrics.jsonl.
+summary, the end summary, and the console monitor's one line per step. Side effects: prints,
+rank 0 only (the caller says which rank). Nothing here goes to metrics.jsonl.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+
+from fnt.config import Config
 
 _STARTED = time.perf_counter()
 
@@ -102,3 +105,67 @@ def end_summary(
     if checkpoint:
         parts.append(f"checkpoint {checkpoint}")
     return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    """`H:MM:SS` with as many hours as needed (no wrap at a day). Pure."""
+    total = int(round(seconds))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
+    """`step 3/5 | loss 2.1000 | reward 0.512 | grad 0.83 | lr 1.00e-03 | val/loss 2.3000 |
+    512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has it. Pure."""
+    step = row["step"]
+    parts = [f"step {step}/{max_steps}"]
+    for key, label, spec in CONSOLE_FIELDS:
+        value = row.get(key)
+        if isinstance(value, float):
+            parts.append(f"{label} {_number(value, spec)}")
+    if "perf/throughput" in row:
+        parts.append(f"{row['perf/throughput']:.0f} tok/s")
+    if "time/step" in row:
+        parts.append(f"{row['time/step']:.2f} s/step")
+    remaining = max(0, max_steps - step)
+    eta = elapsed / steps_done * remaining if steps_done else 0.0
+    parts.append(f"eta {format_duration(eta)}")
+    return " | ".join(parts)
+
+
+def _number(value: float, spec: str) -> str:
+    """`value` in `spec`, or in 3 significant digits where `spec` would show a small non-zero
+    value as 0 (an RL loss of -3e-7 is not "-0.0000")."""
+    if not math.isfinite(value):
+        return str(value)
+    text = f"{value:{spec}}"
+    if value != 0 and float(text) == 0:
+        return f"{value:.2e}"
+    return text
+
+
+# The metrics a step's console line shows, in order: (row key, label, format).
+CONSOLE_FIELDS = (
+    ("loss/mean", "loss", ".4f"),
+    ("reward/mean", "reward", ".3f"),
+    ("optim/grad_norm", "grad", ".3g"),
+    ("optim/lr", "lr", ".2e"),
+    ("val/loss", "val/loss", ".4f"),
+    ("val/reward/mean", "val/reward", ".3f"),
+)
+
+
+class ConsoleMonitor:
+    """One line per step on stdout."""
+
+    def __init__(self, config: Config, start_step: int) -> None:
+        self.max_steps = config.max_steps
+        self.start_step = start_step
+        self.started = time.perf_counter()
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        elapsed = time.perf_counter() - self.started
+        line = console_line(row, self.max_steps, elapsed, row["step"] - self.start_step)
+        print(line, file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        pass

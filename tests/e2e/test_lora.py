@@ -20,7 +20,7 @@ from fnt.config import Config, DataConfig, LoraConfig, ModelConfig, OptimConfig
 from fnt.errors import CheckpointError
 from fnt.model.lora import ADAPTER_CONFIG_FILE, base_name, is_adapter_weight
 from fnt.obs.metrics import to_floats
-from fnt.rollout.engines.external import PUBLISHED_FILE
+from fnt.rollout.publish import PUBLISHED_FILE
 from steps import sft_step
 from tests.e2e.helpers import (
     assert_resumed_run_matches,

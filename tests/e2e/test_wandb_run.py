@@ -1,7 +1,7 @@
 """Real runs with a stub W&B: one that hangs, where training goes on at its own pace and W&B is
 dropped with one warning (the W&B calls run on a thread of their own,
-fnt.obs.monitors.WandbMonitor); and one slower than training, killed, whose resumed W&B run holds
-the rows of metrics.jsonl."""
+fnt.obs.monitors.wandb.WandbMonitor); and one slower than training, killed, whose resumed W&B run
+holds the rows of metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from fnt.obs.monitors import recorded_wandb_run_id
+from fnt.obs.monitors.wandb import recorded_wandb_run_id
 from tests.e2e.helpers import REPO, config_args, read_metrics, run_fnt, run_killed, run_script
 
 SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"

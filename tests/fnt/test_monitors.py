@@ -15,16 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import Config
-from fnt.obs.monitors import (
-    METRICS_FILE,
-    JsonlMonitor,
-    console_line,
-    open_monitors,
-    repair_metrics_,
-    repair_rows,
-    strict_json_line,
-)
-from fnt.store.rundir import METRICS_MISSING_FILE, read_missing_steps, step_ranges
+from fnt.obs.console import console_line
+from fnt.obs.monitors import open_monitors
+from fnt.obs.monitors.jsonl import JsonlMonitor, repair_metrics_, repair_rows, strict_json_line
+from fnt.store.rundir import METRICS_FILE, METRICS_MISSING_FILE, read_missing_steps, step_ranges
 from tests.e2e.helpers import read_metrics
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -175,14 +169,15 @@ def test_repairing_a_missing_file_is_a_no_op(tmp_path):
 
 def test_jsonl_monitor_resume_keeps_one_row_per_step(tmp_path):
     path = tmp_path / "run" / METRICS_FILE
-    first = JsonlMonitor(path, start_step=0)
+    config = Config(output_dir=str(tmp_path / "run"))
+    first = JsonlMonitor(config, start_step=0)
     for step in range(1, 6):
         first.log({"step": step, "time": float(step), "loss/mean": 1.0 / step})
     first.close()
     with open(path, "a") as fh:
         fh.write('{"step": 6, "loss/m')  # a crash mid-write
     # Resume from checkpoint step_3: rows 4, 5 and the torn 6 are redone.
-    second = JsonlMonitor(path, start_step=3)
+    second = JsonlMonitor(config, start_step=3)
     for step in range(4, 8):
         second.log(
             {"step": step, "time": float(step), "loss/mean": float("nan") if step == 7 else 0.5}

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
-from fnt.obs.monitors import repair_metrics_
+from fnt.obs.monitors.jsonl import repair_metrics_
 from fnt.resume import (
     FIXED,
     LAUNCH,

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from fnt.config import Config, WandbConfig
-from fnt.obs.monitors import (
-    WANDB_ID_FILE,
+from fnt.obs.monitors import open_monitors
+from fnt.obs.monitors.wandb import (
     WANDB_QUEUE_ROWS,
     WandbMonitor,
-    open_monitors,
     recorded_wandb_run_id,
     replay_steps,
     wandb_init_attempts,
 )
+from fnt.store.rundir import WANDB_ID_FILE
 from tests.e2e.helpers import read_metrics
 
 

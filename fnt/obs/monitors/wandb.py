@@ -1,174 +1,38 @@
-"""Where metric rows go: metrics.jsonl, Weights & Biases, the console. Side effects: files, W&B.
+"""Weights & Biases as a monitor: rows logged from a thread of its own, and a resumed run's W&B
+run made to hold the rows of metrics.jsonl. Side effects: W&B calls, and {output_dir}/wandb_id
+and wandb_logged.
 
-`Monitors.log(row)` is the one call per step. Only rank 0 creates monitors. A W&B failure is a
-warning, never a crash, and never costs the metrics.jsonl row (that row is written first).
+A W&B failure is a warning, never a crash, and never costs the metrics.jsonl row (that row is
+written first, by the JSONL monitor).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
-import sys
 import threading
 import time
 import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
-from fnt.obs.metrics import finite_or_none
-from fnt.store.jsonl import json_problem
-from fnt.store.rundir import (
-    METRICS_FILE,
-    METRICS_MISSING_FILE,
-    WANDB_ID_FILE,
-    WANDB_LOGGED_FILE,
-    read_missing_steps,
-    step_ranges,
-)
-from fnt.store.transaction import fsync_dir, write_synced_
+from fnt.store.rundir import METRICS_FILE, WANDB_ID_FILE, WANDB_LOGGED_FILE
+from fnt.store.transaction import write_synced_
 
-
-def strict_json_line(row: Mapping[str, Any]) -> str:
-    """One JSON object on one line with NaN/inf as null, so every line parses strictly. Pure."""
-    clean = {k: finite_or_none(v) if isinstance(v, float) else v for k, v in row.items()}
-    return json.dumps(clean, allow_nan=False)
+if TYPE_CHECKING:
+    from fnt.obs.monitors import RowsReader
 
 
 @dataclass(frozen=True)
-class MetricsRepair:
-    """What a resume found in metrics.jsonl up to the step it starts from (`repair_rows`)."""
+class _Replay:
+    """The worker's order to send again the rows the W&B run lacks (WandbMonitor.resume)."""
 
-    kept: dict[int, str]  # step -> its row's line (with the newline), steps 1..last_step
-    unreadable: dict[int, str]  # line number -> why that line is not a row
-    duplicated: dict[int, list[int]]  # step -> the line numbers of its rows (the last is kept)
-    beyond: list[int]  # steps after last_step, whose rows are dropped (the run redoes them)
-    missing: list[int]  # steps 1..last_step without a readable row
-
-    def messages(self, name: str, missing_file: str, known_missing: Collection[int]) -> list[str]:
-        """One line per finding; missing steps already in `known_missing` are not repeated."""
-        lines = [
-            f"{name}:{n}: not a metrics row ({why}); dropped" for n, why in self.unreadable.items()
-        ]
-        lines += [
-            f"{name}: step {step} has {len(numbers)} rows (lines "
-            f"{', '.join(map(str, numbers))}); kept the last"
-            for step, numbers in self.duplicated.items()
-        ]
-        if self.beyond:
-            lines.append(
-                f"{name}: dropped the rows of steps {step_ranges(self.beyond)}, after the step "
-                "this run starts from (it redoes them)"
-            )
-        new_missing = [step for step in self.missing if step not in set(known_missing)]
-        if new_missing:
-            lines.append(
-                f"{name}: steps {step_ranges(new_missing)} have no readable row; recorded as "
-                f"missing in {missing_file}"
-            )
-        return lines
-
-
-def repair_rows(lines: list[str], last_step: int) -> MetricsRepair:
-    """One row per step 1..last_step from the lines of a metrics.jsonl, and what was wrong. Pure.
-
-    A line that is not a strict-JSON object with an integer step >= 1 is unreadable (a crash
-    leaves its last line torn; anything else is damage); of several rows of one step the last
-    is kept, since a later row was written by the trajectory that went on from there.
-    """
-    kept: dict[int, str] = {}
-    numbers: dict[int, list[int]] = {}
-    unreadable: dict[int, str] = {}
-    beyond: set[int] = set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        row, why = parse_row(line)
-        if row is None:
-            unreadable[number] = why
-        elif row["step"] > last_step:
-            beyond.add(row["step"])
-        else:
-            kept[row["step"]] = line if line.endswith("\n") else line + "\n"
-            numbers.setdefault(row["step"], []).append(number)
-    return MetricsRepair(
-        kept=dict(sorted(kept.items())),
-        unreadable=unreadable,
-        duplicated={step: ns for step, ns in sorted(numbers.items()) if len(ns) > 1},
-        beyond=sorted(beyond),
-        missing=[step for step in range(1, last_step + 1) if step not in kept],
-    )
-
-
-def parse_row(line: str) -> tuple[Optional[dict], str]:
-    """`(row, "")` for a metrics row, else `(None, why not)`. Pure."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return None, json_problem(exc)
-    step = row.get("step") if isinstance(row, dict) else None
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        return None, "not an object with an integer step >= 1"
-    return row, ""
-
-
-def repair_metrics_(path: Path, last_step: int) -> list[str]:
-    """Rewrite metrics.jsonl to one row per step 1..last_step (`repair_rows`): rows beyond
-    `last_step` (left by a crashed run, which this run redoes), unreadable lines and all but the
-    last row of a step are dropped, each with a line in the returned messages; steps without a
-    row are recorded in metrics_missing.json beside it. Never silent: every dropped line is
-    named by a message.
-
-    A transaction: the kept rows go to a temporary file, fsynced, renamed over the file, and the
-    directory is fsynced, so a crash or power loss leaves the old file or the repaired one,
-    never a truncated one (rows 1..N must survive as long as step_N does).
-    """
-    missing_file = path.with_name(METRICS_MISSING_FILE)
-    known = read_missing_steps(missing_file)
-    lines = (
-        path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
-        if path.exists()
-        else []
-    )
-    repair = repair_rows(lines, last_step)
-    if path.exists():
-        tmp = path.with_suffix(".jsonl.tmp")
-        write_synced_(tmp, "".join(repair.kept.values()))
-        os.replace(tmp, path)
-    if repair.missing:
-        write_synced_(missing_file, json.dumps({"missing_steps": repair.missing}) + "\n")
-    else:
-        missing_file.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return repair.messages(str(path), missing_file.name, known)
-
-
-class JsonlMonitor:
-    """Appends one strict-JSON line per step to metrics.jsonl, flushed and fsynced every step.
-
-    The fsync keeps "row N before checkpoint step_N" true through a power loss too: the
-    checkpoint's commit is fsynced, so the row before it must be as well.
-    """
-
-    def __init__(self, path: Path, start_step: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for message in repair_metrics_(path, start_step):
-            print(message, flush=True)
-        self.path = path
-        self._fh = open(path, "a", encoding="utf-8")
-
-    def log(self, row: Mapping[str, Any]) -> None:
-        self._fh.write(strict_json_line(row) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        self._fh.close()
+    rows: RowsReader
 
 
 # How many rows may wait for W&B. A healthy W&B takes milliseconds per row, so a full queue means
@@ -223,9 +87,9 @@ class WandbMonitor:
     stuck inside W&B does not keep the process alive.
 
     After each row W&B takes, the worker records its step (`wandb_logged`), so that a resumed
-    run knows how far W&B had got: it first sends again, in step order, the rows of
-    metrics.jsonl that the rewound or forked W&B run lacks (`replay_steps`), and the W&B run
-    ends up holding the rows of metrics.jsonl.
+    run knows how far W&B had got: its resume hook has the worker send again, in step order,
+    the rows of metrics.jsonl that the rewound or forked W&B run lacks (`replay_steps`), and
+    the W&B run ends up holding the rows of metrics.jsonl.
     """
 
     def __init__(self, config: Config, start_step: int) -> None:
@@ -239,6 +103,7 @@ class WandbMonitor:
         self._call_started: float | None = None  # when the worker's current W&B call began
         self._current_call = ""
         output_dir = Path(config.output_dir)
+        self.output_dir = output_dir
         attempts = wandb_init_attempts(
             recorded_wandb_run_id(output_dir), start_step, uuid.uuid4().hex[:12]
         )
@@ -251,6 +116,12 @@ class WandbMonitor:
     @property
     def disabled(self) -> bool:
         return self._disabled
+
+    def resume(self, start_step: int, rows: RowsReader) -> None:
+        """Before the resumed run's rows, send again the rows of metrics.jsonl that the W&B run
+        lacks (`replay_steps`: how far the rewound or forked run had got)."""
+        if not self._disabled:
+            self._queue.put_nowait(_Replay(rows))
 
     def log(self, row: Mapping[str, Any]) -> None:
         if self._disabled or self._stalled():
@@ -319,30 +190,38 @@ class WandbMonitor:
         attempt = self._init(config, output_dir, attempts)
         if attempt is None:
             return
-        steps = replay_steps(attempt, self._logged, self.start_step)
-        if steps:
-            replayed = 0
-            for row in read_rows(output_dir / METRICS_FILE, steps):
-                if self._disabled or not self._send(row, output_dir):
-                    return
-                replayed += 1
-            print(
-                f"W&B: sent again the {replayed} rows it lacked (steps {steps.start}.."
-                f"{steps.stop - 1} of {METRICS_FILE})",
-                flush=True,
-            )
         while True:
-            row = self._queue.get()
+            item = self._queue.get()
             if self._disabled:
                 return
-            if row is None:
+            if item is None:
                 try:
                     self._call("finish", self.run.finish)
                 except Exception as exc:  # noqa: BLE001 - W&B must never stop training
                     self._disable(f"W&B finish failed: {exc}")
                 return
-            if not self._send(row, output_dir):
+            if isinstance(item, _Replay):
+                sent = self._replay(replay_steps(attempt, self._logged, self.start_step), item)
+            else:
+                sent = self._send(item, output_dir)
+            if not sent:
                 return
+
+    def _replay(self, steps: range, replay: _Replay) -> bool:
+        """Send the rows of `steps` read back from metrics.jsonl; False when W&B got disabled."""
+        if not steps:
+            return True
+        replayed = 0
+        for row in replay.rows(steps):
+            if self._disabled or not self._send(row, self.output_dir):
+                return False
+            replayed += 1
+        print(
+            f"W&B: sent again the {replayed} rows it lacked (steps {steps.start}.."
+            f"{steps.stop - 1} of {METRICS_FILE})",
+            flush=True,
+        )
+        return True
 
     def _send(self, row: Mapping[str, Any], output_dir: Path) -> bool:
         """Log one row; record its step as taken. False (W&B disabled) when the call fails."""
@@ -430,101 +309,3 @@ def record_wandb_logged_(output_dir: Path, run_id: str, step: int) -> None:
     tmp = output_dir / (WANDB_LOGGED_FILE + ".tmp")
     tmp.write_text(json.dumps({"run_id": run_id, "step": step}) + "\n")
     os.replace(tmp, output_dir / WANDB_LOGGED_FILE)
-
-
-def read_rows(path: Path, steps: range) -> Iterator[dict]:
-    """The rows of metrics.jsonl whose step is in `steps`, in file order (one per step after the
-    repair at the start), read lazily: the run appends new rows meanwhile."""
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            row, _ = parse_row(line)
-            if row is not None and row["step"] in steps:
-                yield row
-
-
-def format_duration(seconds: float) -> str:
-    """`H:MM:SS` with as many hours as needed (no wrap at a day). Pure."""
-    total = int(round(seconds))
-    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
-
-
-def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
-    """`step 3/5 | loss 2.1000 | reward 0.512 | grad 0.83 | lr 1.00e-03 | val/loss 2.3000 |
-    512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has it. Pure."""
-    step = row["step"]
-    parts = [f"step {step}/{max_steps}"]
-    for key, label, spec in CONSOLE_FIELDS:
-        value = row.get(key)
-        if isinstance(value, float):
-            parts.append(f"{label} {_number(value, spec)}")
-    if "perf/throughput" in row:
-        parts.append(f"{row['perf/throughput']:.0f} tok/s")
-    if "time/step" in row:
-        parts.append(f"{row['time/step']:.2f} s/step")
-    remaining = max(0, max_steps - step)
-    eta = elapsed / steps_done * remaining if steps_done else 0.0
-    parts.append(f"eta {format_duration(eta)}")
-    return " | ".join(parts)
-
-
-def _number(value: float, spec: str) -> str:
-    """`value` in `spec`, or in 3 significant digits where `spec` would show a small non-zero
-    value as 0 (an RL loss of -3e-7 is not "-0.0000")."""
-    if not math.isfinite(value):
-        return str(value)
-    text = f"{value:{spec}}"
-    if value != 0 and float(text) == 0:
-        return f"{value:.2e}"
-    return text
-
-
-# The metrics a step's console line shows, in order: (row key, label, format).
-CONSOLE_FIELDS = (
-    ("loss/mean", "loss", ".4f"),
-    ("reward/mean", "reward", ".3f"),
-    ("optim/grad_norm", "grad", ".3g"),
-    ("optim/lr", "lr", ".2e"),
-    ("val/loss", "val/loss", ".4f"),
-    ("val/reward/mean", "val/reward", ".3f"),
-)
-
-
-class ConsoleMonitor:
-    """One line per step on stdout."""
-
-    def __init__(self, max_steps: int, start_step: int) -> None:
-        self.max_steps = max_steps
-        self.start_step = start_step
-        self.started = time.perf_counter()
-
-    def log(self, row: Mapping[str, Any]) -> None:
-        elapsed = time.perf_counter() - self.started
-        line = console_line(row, self.max_steps, elapsed, row["step"] - self.start_step)
-        print(line, file=sys.stdout, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-class Monitors:
-    """All monitors behind one `log(row)` call; metrics.jsonl is always written first."""
-
-    def __init__(self, monitors: list[Any]) -> None:
-        self.monitors = monitors
-
-    def log(self, row: Mapping[str, Any]) -> None:
-        for monitor in self.monitors:
-            monitor.log(row)
-
-    def close(self) -> None:
-        for monitor in self.monitors:
-            monitor.close()
-
-
-def open_monitors(config: Config, start_step: int) -> Monitors:
-    """metrics.jsonl (trimmed to `start_step`), W&B unless disabled, and the console line."""
-    monitors: list[Any] = [JsonlMonitor(Path(config.output_dir) / METRICS_FILE, start_step)]
-    if config.wandb.mode != "disabled":
-        monitors.append(WandbMonitor(config, start_step))
-    monitors.append(ConsoleMonitor(config.max_steps, start_step))
-    return Monitors(monitors)
