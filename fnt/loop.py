@@ -61,7 +61,8 @@ def run(
     """
     ckpt = config.ckpt
     with RunContext(config) as ctx:
-        state = ctx.start(start_state(config, ctx.runtime))
+        state = start_state(config, ctx.runtime)
+        ctx.begin_(state)
         rows = RowBuilder(state)  # with val.eval_on_start, evaluates the start state
         if on_state is not None:
             on_state(state)

@@ -9,7 +9,7 @@ its own), the watchdog that ends a torchrun worker whose launcher died, the run 
 before anything in the directory is read or changed; the command line takes it earlier still,
 and then it is already held: fnt.store.rundir.run_lock nests), and the process group
 (fnt.dist.runtime.setup_trainer).
-`start(state)` then takes the start state: its handles are closed at the end, config.json is
+`begin_(state)` then acts on the start state: its handles are closed at the end, config.json is
 written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
 the reverse order, on a normal exit, an error or a preemption alike.
 """
@@ -167,8 +167,8 @@ def agree_preempted(received: bool, runtime: Runtime) -> bool:
 
 class RunContext:
     """The side effects around a run's loop (see the module docstring): `with RunContext(config)
-    as ctx`, then `state = ctx.start(state)`, `ctx.log(row)` once per step, `ctx.preempted()` at
-    each step boundary and `ctx.step_done(step)` after each step."""
+    as ctx`, then `ctx.begin_(state)` with the start state, `ctx.log(row)` once per step,
+    `ctx.preempted()` at each step boundary and `ctx.step_done(step)` after each step."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -200,9 +200,9 @@ class RunContext:
     def __exit__(self, *exc: object) -> Optional[bool]:
         return self.stack.__exit__(*exc)
 
-    def start(self, state: TrainState) -> TrainState:
-        """Take the run's start state: close its handles when the run ends, write config.json
-        and open the monitors (rank 0), start the profiler."""
+    def begin_(self, state: TrainState) -> None:
+        """Begin the run at its start state: close its handles when the run ends, write
+        config.json and open the monitors (rank 0), start the profiler."""
         config, runtime = self.config, self.runtime
         self.start_step = state.progress.step
         self.watch.doing = f"step {self.start_step + 1}"
@@ -215,7 +215,6 @@ class RunContext:
             self.stack.callback(self.monitors.close)
         self.profiler = start_trace(config.trace_path)
         self.stack.callback(self._stop_profiler)
-        return state
 
     def log(self, row: Mapping[str, Any]) -> None:
         """Write a step's row to every monitor (rank 0; metrics.jsonl first)."""

@@ -1,5 +1,6 @@
 """The records the fold passes along: Progress, Handles and TrainState, and the protocols of the
-handles that batch sources read. Pure.
+handles that batch sources read. Pure, except `TrainState.advance`, which moves the handles'
+step cursor along with the state it returns (so that a consumed state cannot be stepped again).
 
 Progress holds plain values only and round-trips through JSON, so it can be checkpointed,
 logged and compared. Handles hold references to objects whose contents change in place (model,

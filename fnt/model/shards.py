@@ -1,6 +1,6 @@
-"""Which rows of a parameter this rank's FSDP2 shard holds, for the code that writes a shard's
-rows itself: the sharded loader (fnt.model.sharded_load) and the LoRA adapters' initial values
-(fnt.model.lora). Pure.
+"""Which rows of a parameter this rank's FSDP2 shard holds. Pure. For the code that writes a
+shard's rows itself: the sharded loader (fnt.model.sharded_load) and the LoRA adapters' initial
+values (fnt.model.lora).
 
 FSDP2 shards every parameter on dim 0 over the data-parallel shard dimension of the mesh, in
 `torch.chunk` pieces: with n rows over k ranks, rank r holds rows [r*c, min((r+1)*c, n)) for

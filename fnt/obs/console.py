@@ -1,8 +1,8 @@
-"""What rank 0 prints while a run starts and when it ends, so that a user sees progress from the
-first second: one line per start-up phase with the seconds since the start, a progress bar while
-data is tokenized (tqdm, only when stdout is a terminal; plain lines otherwise), the start-up
-summary, the end summary, and the console monitor's one line per step. Side effects: prints,
-rank 0 only (the caller says which rank). Nothing here goes to metrics.jsonl.
+"""What rank 0 prints: start-up phases, start and end summaries, one line per step. A user sees
+progress from the first second: one line per start-up phase with the seconds since the start, a
+progress bar while data is tokenized (tqdm, only when stdout is a terminal; plain lines otherwise),
+the start-up summary, the end summary, and the console monitor's one line per step. Side effects:
+prints, rank 0 only (the caller says which rank). Nothing here goes to metrics.jsonl.
 """
 
 from __future__ import annotations

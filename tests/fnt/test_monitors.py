@@ -14,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.config import Config
+from fnt.config import Config, ConfigError, validate
 from fnt.obs.console import console_line
-from fnt.obs.monitors import open_monitors
+from fnt.obs.monitors import MONITORS, MonitorEntry, open_monitors
 from fnt.obs.monitors.jsonl import JsonlMonitor, repair_metrics_, repair_rows, strict_json_line
 from fnt.store.rundir import METRICS_FILE, METRICS_MISSING_FILE, read_missing_steps, step_ranges
 from tests.e2e.helpers import read_metrics
+from tests.fnt.recording_monitor import recorded
 
 SETTINGS = settings(max_examples=150, deadline=None)
 TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -274,3 +275,64 @@ def test_console_line_eta(elapsed, steps_done, step, max_steps):
 
 # ---------------------------------------------------------------------------------------------
 # W&B: run id bookkeeping and offline runs
+
+
+RECORDER = "tests.fnt.recording_monitor:RecordingMonitor"
+
+
+def test_a_monitor_named_in_config_gets_every_row_and_reads_back_on_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = Config(output_dir=str(out), max_steps=4, monitors=(RECORDER,))
+    first = open_monitors(config, start_step=0)
+    for step in (1, 2, 3):
+        first.log({"step": step, "time": float(step)})
+    first.close()
+    # Resumed from step_2: metrics.jsonl is trimmed to rows 1..2 before the hook reads it back.
+    second = open_monitors(config, start_step=2)
+    second.log({"step": 3, "time": 3.5})
+    second.close()
+    assert recorded(out) == [
+        {"event": "open", "start_step": 0},
+        {"event": "log", "step": 1},
+        {"event": "log", "step": 2},
+        {"event": "log", "step": 3},
+        {"event": "close"},
+        {"event": "open", "start_step": 2},
+        {"event": "resume", "start_step": 2, "read_back": [1, 2]},
+        {"event": "log", "step": 3},
+        {"event": "close"},
+    ]
+    assert [row["step"] for row in read_metrics(str(out))] == [1, 2, 3]
+
+
+def test_a_built_in_monitor_is_its_file_and_one_table_entry(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(MONITORS, "recorder", MonitorEntry(RECORDER))
+    out = tmp_path / "run"
+    monitors = open_monitors(Config(output_dir=str(out)), start_step=0)
+    monitors.log({"step": 1, "time": 1.0})
+    monitors.close()
+    assert [r["event"] for r in recorded(out)] == ["open", "log", "close"]
+    assert list(MONITORS)[0] == "jsonl"  # metrics.jsonl has a row before any monitor sees it
+
+
+def test_a_monitor_that_cannot_start_closes_those_before_it(tmp_path):
+    out = tmp_path / "run"
+    broken = "tests.fnt.recording_monitor:BrokenMonitor"
+    config = Config(output_dir=str(out), monitors=(RECORDER, broken))
+    with pytest.raises(RuntimeError, match="cannot start"):
+        open_monitors(config, start_step=0)
+    assert [r["event"] for r in recorded(out)] == ["open", "close"]
+
+
+@pytest.mark.parametrize(
+    "name, problem",
+    [
+        ("tests.fnt.recording_monitor", "not of the form 'module:function'"),
+        ("tests.fnt.nowhere:Monitor", "cannot import module"),
+        ("tests.fnt.recording_monitor:Missing", "has no attribute 'Missing'"),
+        ("tests.fnt.recording_monitor:recorded", "cannot take 2 positional arguments"),
+    ],
+)
+def test_a_bad_monitor_reference_is_one_config_error(name, problem):
+    with pytest.raises(ConfigError, match=rf"'monitors\[0\]': .*{problem}.*Class\(config"):
+        validate(Config(monitors=(name,)), 1)

@@ -1,9 +1,10 @@
-"""rollout.vllm.weight_transfer = "nccl" (GPU): each step's policy goes from rank 0's GPU to every
-vLLM server over NCCL, through vLLM's own weight-transfer engine (its trainer half,
-NCCLTrainerWeightTransferEngine, driving the server's /init_weight_transfer_engine,
-/start_weight_update, /update_weights and /finish_weight_update), instead of through
-weights/step_N/ on disk. Side effects: one NCCL group per server, opened at the first send (rank
-0 listens on rollout.vllm.nccl_port + i for server i's workers); HTTP to the servers.
+"""Weights to vLLM servers over NCCL. rollout.vllm.weight_transfer = "nccl" (GPU): each step's
+policy goes from rank 0's GPU to every vLLM server over NCCL, through vLLM's own weight-transfer
+engine (its trainer half, NCCLTrainerWeightTransferEngine, driving the server's
+/init_weight_transfer_engine, /start_weight_update, /update_weights and /finish_weight_update),
+instead of through weights/step_N/ on disk. Side effects: one NCCL group per server, opened at the
+first send (rank 0 listens on rollout.vllm.nccl_port + i for server i's workers); HTTP to the
+servers.
 
 It needs CUDA and vLLM importable in the trainer's environment (the trainer half is vLLM code),
 and servers started with --weight-transfer-config '{"backend": "nccl"}' (`fnt vllm-serve` adds
