@@ -1,6 +1,7 @@
-"""Tokenizer loading, the pad-token rule, stop tokens and the chat-masking settings. Side effects:
+"""Tokenizer loading, the pad-token rule, stop tokens and chat templates. Side effects:
 `load_tokenizer` reads the model directory, `stop_token_ids` its generation_config.json,
-`chat_template_text` a template file, `chat_masking` both; `pad_token_id` is pure.
+`chat_template_text` a template file; `pad_token_id` is pure. (The chat-masking settings built
+from these are fnt.data.chat.chat_masking.)
 """
 
 from __future__ import annotations
