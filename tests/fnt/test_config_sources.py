@@ -85,7 +85,7 @@ VAL = (DataSourceConfig(path="val.jsonl"),)
                 val=ValConfig(interval=3, prompts="p.jsonl"),
                 rollout=RolloutConfig(engine="external"),
             ),
-            "in-process rollout engine",
+            "in_process rollout engine",
         ),
     ],
 )

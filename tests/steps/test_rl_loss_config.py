@@ -66,7 +66,7 @@ def test_bad_loss_settings_name_the_key(loss, message):
 
 def test_reference_logprobs_from_rollouts_need_the_external_engine(tmp_path):
     in_process = RolloutConfig(prompts=str(tmp_path / "p.jsonl"), reward="ascii_letters")
-    with pytest.raises(ConfigError, match="'loss.ref_source' = 'rollouts': only external"):
+    with pytest.raises(ConfigError, match="'loss.ref_source' = 'rollouts': only the external"):
         validate(config_with(in_process, ref_source="rollouts", ref_kl_tau=0.1), world_size=1)
     validate(config_with(ref_source="rollouts", ref_kl_tau=0.1), world_size=1)
     validate(dataclasses.replace(config_with(in_process), loss=RLLossConfig()), world_size=1)
