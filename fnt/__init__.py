@@ -50,7 +50,9 @@ _EXPORTS = {
     "lr_at": "fnt.schedule",
     "resolve_resume_step": "fnt.resume",
     "start_trace": "fnt.obs.profiler",
+    "save_trace": "fnt.obs.profiler",
     "save_trace_": "fnt.obs.profiler",
+    "log_step_metrics": "fnt.rows",
 }
 
 __all__ = list(_EXPORTS)

@@ -24,7 +24,7 @@ from fnt.config.references import import_function
 from fnt.dist.runtime import Runtime
 from fnt.model.loading import load_model
 from fnt.obs.console import say
-from fnt.optim.setup import apply_compute_dtype_, set_hyperparameters_, setup_optimizer
+from fnt.optim.setup import set_hyperparameters_, setup_optimizer
 from fnt.state import Handles, Progress, StepCursor, TrainState
 from fnt.store.rundir import DATA_CACHE_DIR, ckpt_root
 
@@ -135,8 +135,7 @@ def init_state(config: Config, runtime: Runtime, announce: bool = False) -> Trai
     say(announce, f"loading the model {config.model.name}")
     model = load_model(config.model, runtime, runtime.offload, seed=config.seed)
     say(announce, f"building the optimizer ({config.optim.name})")
-    optimizer = setup_optimizer(config.optim, model)
-    apply_compute_dtype_(model, optimizer, runtime.offload)
+    optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
     ref_model = reference_model(config, runtime, model)
     handles = Handles(
         model, optimizer, runtime, StepCursor(0), val=val, ref_model=ref_model, **sources

@@ -1,4 +1,5 @@
-"""The one metrics row of each step (`RowBuilder`): the step's own metrics with the loop's groups.
+"""The one metrics row of each step: `log_step_metrics` makes it (the step's own metrics with the
+shared groups) and `RowBuilder` gives it what the driver measured.
 Side effects: evaluations (fnt.evaluation: forward passes, collectives), a clock and a
 disk-usage query per row; the groups themselves are fnt.obs.metrics' pure builders.
 
@@ -23,7 +24,8 @@ handle, an fnt.state.Evaluator):
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from fnt.model.loading import model_facts
 from fnt.obs.metrics import (
@@ -38,6 +40,10 @@ from fnt.obs.metrics import (
 )
 from fnt.state import Progress, TrainState
 from fnt.store.rundir import ckpt_root
+
+if TYPE_CHECKING:
+    from fnt.dist.runtime import Runtime
+    from fnt.obs.monitors import Monitors
 
 PREFIX = "val/"
 START_PREFIX = "val/start/"
@@ -81,6 +87,52 @@ class Evaluation:
         return {**row, "time/val": seconds}
 
 
+def log_step_metrics(
+    step: int,
+    metrics: Mapping[str, Any],
+    *,
+    runtime: Runtime,
+    step_time: float,
+    num_tokens: int,
+    flops_per_token: float = 0.0,
+    peak_flops: float = 0.0,
+    progress: Optional[Progress] = None,
+    ckpt_dir: Union[str, Path, None] = None,
+    timing: Optional[Mapping[str, float]] = None,
+    monitors: Optional[Monitors] = None,
+) -> dict[str, Any]:
+    """The one row of `step`, and with `monitors` that row logged in one call; returns the row.
+
+    The row holds `step` and `time`, the shared metrics and the step function's `metrics`
+    (tensors become floats here: the step's one host sync): perf/* (`num_tokens` over
+    `step_time` seconds on the runtime's world size, MFU from `flops_per_token` and the
+    device's `peak_flops`, peak memory), time/step and the other time/* keys of `timing`,
+    system/ckpt_disk_* of the filesystem of `ckpt_dir`, and progress/* of `progress`. The
+    driver's rows are made here too (`RowBuilder.row`), so a loop of your own that calls this
+    writes the rows `fnt sft` and `fnt rl` write. Side effects: the clock, the peak-memory and
+    disk-usage queries, and the monitors.
+    """
+    perf = perf_metrics(
+        num_tokens,
+        step_time,
+        runtime.world_size,
+        flops_per_token,
+        peak_flops,
+        peak_memory_gib(runtime.device),
+    )
+    row = step_row(
+        step,
+        time.time(),
+        perf,
+        {"time/step": step_time, **(timing or {})},
+        disk_metrics(Path(ckpt_dir)) if ckpt_dir is not None else {},
+        merge_metrics(to_floats(metrics), progress_metrics(progress) if progress else {}),
+    )
+    if monitors is not None:
+        monitors.log(row)
+    return row
+
+
 def progress_metrics(progress: Progress) -> dict[str, float]:
     """progress/* keys of a row, derived from Progress. Pure."""
     return {
@@ -120,25 +172,18 @@ class RowBuilder:
             progress.total_tokens - self.tokens_before,
             progress.total_tokens,
         )
-        perf = perf_metrics(
-            tokens,
-            timing["time/step"],
-            self.runtime.world_size,
-            self.flops_per_token,
-            self.peak_flops,
-            peak_memory_gib(self.runtime.device),
-        )
-        row = step_row(
+        evaluation = self.evaluation.row_metrics(state)  # evaluates when the step is due
+        row = log_step_metrics(
             progress.step,
-            time.time(),
-            perf,
-            {**timing, "time/save_ckpt": self.save_seconds},
-            disk_metrics(ckpt_root(state.config.output_dir)),
-            merge_metrics(
-                to_floats(metrics),
-                progress_metrics(progress),
-                self.evaluation.row_metrics(state),  # evaluates when the step is due
-            ),
+            merge_metrics(to_floats(metrics), evaluation),
+            runtime=self.runtime,
+            step_time=timing["time/step"],
+            num_tokens=tokens,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak_flops,
+            progress=progress,
+            ckpt_dir=ckpt_root(state.config.output_dir),
+            timing={**timing, "time/save_ckpt": self.save_seconds},
         )
         self.save_seconds = 0.0
         return row

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -23,6 +24,14 @@ def start_trace(trace_path: Optional[str]) -> Optional[profile]:
     prof = profile(activities=activities, record_shapes=False, with_stack=False)
     prof.start()
     return prof
+
+
+def save_trace(
+    prof: Optional[profile], trace_path: Optional[str], rank: Optional[int] = None
+) -> Optional[Path]:
+    """`save_trace_` as the seed calls it, `save_trace(prof, trace_path)`: the rank is
+    torchrun's (RANK, 0 in a plain process) unless given."""
+    return save_trace_(prof, trace_path, int(os.environ.get("RANK", 0)) if rank is None else rank)
 
 
 def save_trace_(prof: Optional[profile], trace_path: Optional[str], rank: int) -> Optional[Path]:

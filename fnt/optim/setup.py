@@ -50,7 +50,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from fnt.config import ConfigError, OptimConfig
+from fnt.config import ConfigError, ModelConfig, OptimConfig
+from fnt.config.parallel import ParallelDims
 from fnt.optim.adamw import CPUAdamW
 
 
@@ -153,12 +154,23 @@ def fp32_module_names(param_names: list[str], patterns: tuple[str, ...]) -> list
     return list(dict.fromkeys(name.rpartition(".")[0] for name in matches))
 
 
-def setup_optimizer(optim_config: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW (torch's or the CPU one) or SGD over the model's trainable parameters.
+def setup_optimizer(
+    optim_config: OptimConfig,
+    model: nn.Module,
+    parallel_dims: Optional[ParallelDims] = None,
+    model_config: Optional[ModelConfig] = None,
+) -> torch.optim.Optimizer:
+    """AdamW (torch's or the CPU one) or SGD over the model's trainable parameters, and, called
+    as the seed calls it (`setup_optimizer(config.optim, model, parallel_dims, config.model)`),
+    the part of the offload plan that needs the optimizer: in one process, full offload's cast
+    of the parameters to optim.offload_dtype over float32 masters in the CPU AdamW
+    (`apply_compute_dtype_`, planned by `offload_plan` from the settings).
 
-    The offload plan is not decided here but in `offload_plan`, which `setup_trainer` calls: the
-    NUMA binding must precede the thread setup, and FSDP2 needs the offload and mixed-precision
-    policies when it shards the model, before the optimizer can exist.
+    The rest of the plan cannot wait for the optimizer, so `setup_trainer` decides it
+    (Runtime.offload) and the model loader applies it: FSDP2's offload and mixed-precision
+    policies are fixed when the model is sharded, and a rank's NUMA binding must precede its
+    threads. `parallel_dims` is the seed's argument; the plan asks only whether the model runs
+    under FSDP2, which a process group tells (torchrun with one process too).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if optim_config.name == "sgd":
@@ -187,7 +199,12 @@ def setup_optimizer(optim_config: OptimConfig, model: nn.Module) -> torch.optim.
             f"'optim.impl' = {optim_config.impl!r} updates parameters on the CPU, but some are "
             f'on {", ".join(devices)}: set optim.offload to "state" or "full" (under torchrun)'
         )
-    return CPUAdamW(params, impl=optim_config.impl, **hyper)
+    optimizer = CPUAdamW(params, impl=optim_config.impl, **hyper)
+    if model_config is not None:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        plan = offload_plan(optim_config, params[0].device, distributed, model_config.compute_dtype)
+        apply_compute_dtype_(model, optimizer, plan)
+    return optimizer
 
 
 def apply_compute_dtype_(
