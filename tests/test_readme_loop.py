@@ -1,4 +1,5 @@
-"""The research loop shown in README.md runs as printed (so it cannot rot)."""
+"""The research loop and the test of your own step shown in README.md run as printed (so they
+cannot rot)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,27 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LOOP = re.compile(
     r"<!-- research-loop:start -->\n```python\n(.*?)```\n<!-- research-loop:end -->", re.S
 )
 
 
-def readme_loop() -> str:
-    match = LOOP.search((REPO / "README.md").read_text())
-    assert match, "README.md lost its research-loop block"
+TESTING_EXAMPLE = re.compile(
+    r"<!-- testing-example:start -->\n```python\n(.*?)```\n<!-- testing-example:end -->", re.S
+)
+
+
+def readme_block(pattern: re.Pattern) -> str:
+    match = pattern.search((REPO / "README.md").read_text())
+    assert match, f"README.md lost its block {pattern.pattern[:30]}"
     return match.group(1)
+
+
+def readme_loop() -> str:
+    return readme_block(LOOP)
 
 
 def test_the_readme_research_loop_is_short_public_and_trains(tiny_model_dir, tmp_path):
@@ -50,3 +62,20 @@ def test_the_readme_research_loop_is_short_public_and_trains(tiny_model_dir, tmp
     assert losses[-1] < losses[0], losses
     assert restored == ["restored", "10"]
     assert (tmp_path / "runs" / "default" / "checkpoints" / "step_10" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_the_readme_test_of_your_own_step_passes(tiny_model_dir, tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny-model").symlink_to(tiny_model_dir)
+    (tmp_path / "test_my_step.py").write_text(readme_block(TESTING_EXAMPLE))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_step.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-4000:]

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from fnt.faults import parse_fault
+from fnt.testing import WANDB_STUB
 from tests.e2e.helpers import (
     REPO,
     TORCHRUN,
@@ -39,7 +40,7 @@ EXACT_KEYS = (
 SAVES = ("--ckpt.interval", "2", "--ckpt.keep-last", "1")
 # A W&B that answers at once, for the fault inside W&B's log call (no account, no files).
 FAST_WANDB = {
-    "PYTHONPATH": f"{REPO / 'tests' / 'e2e' / 'slow_wandb'}:{REPO}",
+    "PYTHONPATH": f"{WANDB_STUB}:{REPO}",
     "SLOW_WANDB_LOG_SECONDS": "0",
 }
 

@@ -10,9 +10,10 @@ import json
 import pytest
 
 from fnt.obs.monitors.wandb import recorded_wandb_run_id
+from fnt.testing import WANDB_STUB
 from tests.e2e.helpers import REPO, config_args, read_metrics, run_fnt, run_killed, run_script
 
-SLOW_WANDB = REPO / "tests" / "e2e" / "slow_wandb"
+SLOW_WANDB = WANDB_STUB
 
 
 @pytest.mark.parametrize(
@@ -28,7 +29,7 @@ def test_a_wandb_log_that_takes_30_s_does_not_slow_the_run(tiny_model_dir, tmp_p
         "offline",
         "--wandb.timeout-s",
         "1",
-        env={"PYTHONPATH": f"{SLOW_WANDB}:{REPO}"},
+        env={"PYTHONPATH": f"{SLOW_WANDB}:{REPO}", "SLOW_WANDB_LOG_SECONDS": "30"},
         nproc=nproc,
         # Each of the 4 logs takes 30 s: a run that waited for W&B would be killed here.
         timeout=25 if nproc == 0 else 28,

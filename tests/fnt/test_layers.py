@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("apps", ("fnt.apps", "fnt.__main__")),
+    ("testing", ("fnt.testing",)),
 )
 # The implementations the core knows by protocol only (fnt.state), and the one core module that
 # chooses and builds them.

@@ -19,6 +19,7 @@ from fnt.obs.console import console_line
 from fnt.obs.monitors import MONITORS, MonitorEntry, open_monitors
 from fnt.obs.monitors.jsonl import JsonlMonitor, repair_metrics_, repair_rows, strict_json_line
 from fnt.store.rundir import METRICS_FILE, METRICS_MISSING_FILE, read_missing_steps, step_ranges
+from fnt.testing.strategies import metrics_files
 from tests.e2e.helpers import read_metrics
 from tests.fnt.recording_monitor import recorded
 
@@ -60,32 +61,8 @@ def test_strict_json_line_example():
     assert line == '{"step": 3, "loss/mean": null, "perf/mfu": null, "x": 0.5}'
 
 
-@st.composite
-def metric_files(draw):
-    """Rows with steps (some repeated, some absent), interleaved with torn, damaged and blank
-    lines, as crashes, forks and a bad disk might leave them. Returns the lines and, per line
-    number, the step of a good row (None for any other line)."""
-    steps = draw(st.lists(st.integers(1, 40), max_size=15))
-    lines, good = [], []
-    for step in steps:
-        line = strict_json_line({"step": step, "loss/mean": draw(st.floats(allow_nan=False))})
-        if draw(st.integers(0, 5)) == 0:
-            cut = draw(st.integers(1, len(line) - 1))
-            lines.append(line[:cut] + "\n")  # torn: never valid JSON, since the object is unclosed
-            good.append(None)
-        else:
-            lines.append(line + "\n")
-            good.append(step)
-        if draw(st.integers(0, 8)) == 0:
-            lines.append(draw(st.sampled_from(["\n", '{"step": 0}\n', "[1]\n"])))
-            good.append(None)
-    if draw(st.booleans()) and lines:
-        lines[-1] = lines[-1].rstrip("\n")  # the last line may lack its newline
-    return lines, good
-
-
 @SETTINGS
-@given(metric_files(), st.integers(0, 45))
+@given(metrics_files(), st.integers(0, 45))
 def test_repair_keeps_the_last_row_of_each_step_and_names_every_dropped_line(file, last_step):
     lines, good = file
     repair = repair_rows(lines, last_step)
@@ -112,7 +89,7 @@ def test_repair_keeps_the_last_row_of_each_step_and_names_every_dropped_line(fil
 
 
 @SETTINGS
-@given(metric_files(), st.integers(0, 45))
+@given(metrics_files(), st.integers(0, 45))
 def test_repair_on_disk_writes_the_kept_rows_and_records_the_missing_steps(file, last_step):
     lines, _ = file
     with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:

@@ -38,88 +38,20 @@ from fnt.store.rundir import (
     step_dir,
     step_of,
 )
+from fnt.testing.strategies import STEPS, UNRELATED, checkpoint_listings, write_listing_
 
 SETTINGS = settings(max_examples=100, deadline=None)
 FS_SETTINGS = settings(max_examples=100, deadline=None)
 # Hypothesis builds many small trees; a RAM-backed directory keeps that fast where there is one.
 TMP_BASE = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-STEPS = st.integers(min_value=0, max_value=60)
-# Names that are never a checkpoint, with or without a marker inside.
-UNRELATED = [
-    "foo",
-    "step_x",
-    "step_-1",
-    "step_",
-    "STEP_3",
-    "step_3_old",
-    "step_3.bak",
-    "latest",
-    "step",
-]
-
-
-@st.composite
-def listings(draw):
-    """A checkpoint directory: complete, incomplete and unrelated entries with distinct names."""
-    complete = draw(st.sets(STEPS, max_size=6))
-    unmarked = draw(st.sets(STEPS, max_size=4)) - complete  # step_N dir, marker never written
-    marker_is_dir = (
-        draw(st.sets(STEPS, max_size=2)) - complete - unmarked
-    )  # COMPLETE is a directory
-    as_file = (
-        draw(st.sets(STEPS, max_size=2)) - complete - unmarked - marker_is_dir
-    )  # step_N is a file
-    partial = draw(
-        st.sets(STEPS, max_size=4)
-    )  # step_N.partial holding the marker: a crashed rename
-    unrelated = draw(
-        st.lists(
-            st.tuples(st.sampled_from(UNRELATED), st.sampled_from(["dir", "marked", "file"])),
-            unique_by=lambda t: t[0],
-            max_size=4,
-        )
-    )
-    return {
-        "complete": complete,
-        "unmarked": unmarked,
-        "marker_is_dir": marker_is_dir,
-        "as_file": as_file,
-        "partial": partial,
-        "unrelated": unrelated,
-    }
-
-
-def build(root: Path, listing: dict) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    for n in listing["complete"]:
-        (root / f"step_{n}").mkdir()
-        (root / f"step_{n}" / "progress.json").write_text("{}")
-        (root / f"step_{n}" / COMPLETE_MARKER).write_text(f"step {n}\n")
-    for n in listing["unmarked"]:
-        (root / f"step_{n}").mkdir()
-        (root / f"step_{n}" / "progress.json").write_text("{}")
-    for n in listing["marker_is_dir"]:
-        (root / f"step_{n}" / COMPLETE_MARKER).mkdir(parents=True)
-    for n in listing["as_file"]:
-        (root / f"step_{n}").write_text(COMPLETE_MARKER)
-    for n in listing["partial"]:
-        (root / f"step_{n}.partial").mkdir()
-        (root / f"step_{n}.partial" / COMPLETE_MARKER).write_text(f"step {n}\n")
-    for name, kind in listing["unrelated"]:
-        if kind == "file":
-            (root / name).write_text("x")
-        else:
-            (root / name).mkdir()
-            if kind == "marked":
-                (root / name / COMPLETE_MARKER).write_text("x")
 
 
 @FS_SETTINGS
-@given(listings())
+@given(checkpoint_listings())
 def test_resolve_over_random_directories(listing):
     with tempfile.TemporaryDirectory(dir=TMP_BASE) as tmp:
         root = Path(tmp) / "checkpoints"
-        build(root, listing)
+        write_listing_(root, listing)
         assert sorted(complete_steps(list_step_dirs(root))) == sorted(listing["complete"])
 
         latest = resolve_resume_step("latest", root)

@@ -1,14 +1,16 @@
-"""A stand-in for the `wandb` package whose every `log` takes 30 s (a W&B service that hangs),
-or $SLOW_WANDB_LOG_SECONDS. With $SLOW_WANDB_HOLD_AFTER = N, a process's logs after its N-th
-never return (a W&B that has fallen behind, whatever the speed of training).
+"""A stand-in for the `wandb` package, for tests (fnt.testing.WANDB_STUB: put this directory
+first on PYTHONPATH, or first on sys.path before W&B is imported). Side effects: sleeps, and
+files under $SLOW_WANDB_HISTORY.
+
+Each `log` takes $SLOW_WANDB_LOG_SECONDS (default 0; 30 plays a W&B service that hangs). With
+$SLOW_WANDB_HOLD_AFTER = N, a process's logs after its N-th never return (a W&B that has fallen
+behind, whatever the speed of training).
 
 With $SLOW_WANDB_HISTORY (a directory) it also keeps each run's history there, as the W&B
 server would, across processes: `{id}.json` maps steps to values; `resume_from` rewinds a run
 to its step, `fork_from` copies a run's history up to its step, and a log of a step the run
 has already passed is dropped. A test can then kill a run and compare what "W&B" holds with
-metrics.jsonl (tests/e2e/test_wandb_run.py).
-
-Put this directory first on PYTHONPATH to use it.
+metrics.jsonl (tests/e2e/test_wandb_run.py, fnt.testing.assert_one_row_per_step).
 """
 
 import json
@@ -17,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-LOG_SECONDS = float(os.environ.get("SLOW_WANDB_LOG_SECONDS", "30"))
+LOG_SECONDS = float(os.environ.get("SLOW_WANDB_LOG_SECONDS", "0"))
 HISTORY = os.environ.get("SLOW_WANDB_HISTORY")
 HOLD_AFTER = os.environ.get("SLOW_WANDB_HOLD_AFTER")
 
