@@ -19,6 +19,7 @@ from fnt import (
     start_trace,
 )
 from fnt.config import OptimConfig
+from fnt.testing.properties import results
 from tests.e2e.helpers import REPO, config_args, read_metrics, run_cli, run_script
 from tests.e2e.test_sft_run import two_rank_job as cli_two_rank_job
 
@@ -26,15 +27,9 @@ SFT_LOOP = REPO / "examples" / "seed_loops" / "sft_loop.py"
 RL_LOOP = REPO / "examples" / "seed_loops" / "rl_loop.py"
 
 
-def measured(key: str) -> bool:
-    """Keys whose values are measurements of this run (clock, speed, disk), not its results."""
-    return key == "time" or key.startswith(("time/", "perf/", "system/")) or "per_second" in key
-
-
 def assert_same_rows(rows, expected):
     assert [sorted(r) for r in rows] == [sorted(r) for r in expected]
-    results = [{k: v for k, v in r.items() if not measured(k)} for r in rows]
-    assert results == [{k: v for k, v in r.items() if not measured(k)} for r in expected]
+    assert results(rows) == results(expected)
 
 
 @pytest.mark.numerics
