@@ -18,13 +18,13 @@ import torch
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig, validate_rollout
-from fnt.dist.collectives import all_reduce_max, all_reduce_sum
+from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from fnt.dist.parallel import check_batch_layout
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from fnt.rollout.advantages import group_advantages
-from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts, single_turn
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
 from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.sampling import Completion
@@ -169,7 +169,7 @@ def score_groups(
         else:
             advantages = [0.0] * len(rewards)
         samples += [
-            RolloutSample(prompt.token_ids, c, reward, advantage)
+            single_turn(prompt.token_ids, c, reward, advantage)
             for c, reward, advantage in zip(completions, rewards, advantages)
         ]
     return samples
@@ -181,49 +181,125 @@ def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[st
     return {"reward/mean": mean, "reward/std": math.sqrt(max(reward_sq / count - mean**2, 0.0))}
 
 
+# The per-step sums of `episode_sums`, in the order they are all-reduced.
+EPISODE_SUMS = (
+    "episodes",
+    "scored",
+    "reward_sum",
+    "reward_sq",
+    "bad_rewards",
+    "sampled_tokens",
+    "context_tokens",
+    "turns",
+    "tool_calls",
+    "tool_errors",
+    "truncated",
+)
+
+
+def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
+    """The sums over `samples` that the episode metrics are made of (EPISODE_SUMS), plus
+    `reward/{name}` -> (count, sum) pairs of the named rewards, under "named". Pure."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    good = rewards[torch.isfinite(rewards)]
+    sampled = [s.sampled_count for s in samples]
+    named: dict[str, list[float]] = {}
+    for sample in samples:
+        for name, value in sample.named_rewards:
+            pair = named.setdefault(name, [0.0, 0.0])
+            pair[0] += 1.0
+            pair[1] += value
+    return {
+        "episodes": float(len(samples)),
+        "scored": float(len(good)),
+        "reward_sum": float(good.sum()),
+        "reward_sq": float((good**2).sum()),
+        "bad_rewards": float(len(rewards) - len(good)),
+        "sampled_tokens": float(sum(sampled)),
+        "context_tokens": float(sum(s.length for s in samples) - sum(sampled)),
+        "turns": float(sum(s.turns for s in samples)),
+        "tool_calls": float(sum(s.tool_calls for s in samples)),
+        "tool_errors": float(sum(s.tool_errors for s in samples)),
+        "truncated": float(sum(s.truncated for s in samples)),
+        "named": named,
+    }
+
+
+def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, float]:
+    """The per-step metrics of the episodes from their (all-rank) `episode_sums`. Pure.
+
+    reward/* are over the finite rewards (NaN when there are none); rollout/bad_rewards counts
+    the NaN/inf ones; rollout/completion_len/mean is the sampled tokens per episode (a
+    single-turn sample's completion length); rollout/dropped_episodes counts the truncated
+    episodes rollout.on_truncated = "drop" left out of the batch.
+    """
+    n, nan = sums["episodes"], math.nan
+    rewards = (
+        reward_metrics(sums["scored"], sums["reward_sum"], sums["reward_sq"])
+        if sums["scored"]
+        else {}
+    )
+
+    def per_episode(key: str) -> float:
+        return sums[key] / n if n else nan
+
+    metrics = {
+        "reward/mean": rewards.get("reward/mean", nan),
+        "reward/std": rewards.get("reward/std", nan),
+        "rollout/completion_len/mean": per_episode("sampled_tokens"),
+        "rollout/truncated_fraction": per_episode("truncated"),
+        "rollout/bad_rewards": sums["bad_rewards"],
+        "rollout/episodes": n,
+        "rollout/turns/mean": per_episode("turns"),
+        "rollout/tool_calls/mean": per_episode("tool_calls"),
+        "rollout/tool_errors/mean": per_episode("tool_errors"),
+        "rollout/truncated_episodes": sums["truncated"],
+        "rollout/dropped_episodes": float(dropped),
+        "rollout/sampled_tokens": sums["sampled_tokens"],
+        "rollout/context_tokens": sums["context_tokens"],
+    }
+    for name, (count, total) in sorted(sums.get("named", {}).items()):
+        metrics[f"reward/{name}/mean"] = total / count
+    return metrics
+
+
 def rollout_metrics(
     samples: Sequence[RolloutSample],
     seconds: float,
     runtime: Runtime,
     *,
     generation_seconds: Optional[float] = None,
+    dropped: int = 0,
 ) -> dict[str, float]:
-    """reward/*, time/rollout and rollout/* over all ranks; a collective when distributed.
+    """`episode_metrics`, time/rollout and rollout/tokens_per_second over all ranks;
+    collectives when distributed.
 
     time/rollout is the slowest rank's `seconds` (the step waits for it); tokens_per_second
-    counts the generated tokens of all ranks over the slowest rank's generation_seconds (when
-    generation ran in the background; else over time/rollout). reward/* are over the finite
-    rewards; rollout/bad_rewards counts the NaN/inf rewards, whose groups
-    rollout.on_bad_reward = "skip" gave zero advantages.
+    counts the sampled tokens of all ranks over the slowest rank's generation_seconds (when
+    generation ran in the background; else over time/rollout). rollout.on_bad_reward = "skip"
+    gave the groups of NaN/inf rewards zero advantages.
     """
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    finite = torch.isfinite(rewards)
-    good = rewards[finite]
-    lengths = [len(s.completion.token_ids) for s in samples]
-    sums = torch.tensor(
-        [
-            float(finite.sum()),
-            float(good.sum()),
-            float((good**2).sum()),
-            sum(lengths),
-            sum(not s.completion.stopped for s in samples),
-            len(samples),
-            len(samples) - float(finite.sum()),
-        ],
+    sums = episode_sums(samples)
+    named = sums.pop("named")
+    totals = torch.tensor(
+        [sums[key] for key in EPISODE_SUMS] + [float(dropped)],
         dtype=torch.float64,
         device=runtime.device,
     )
-    sums = all_reduce_sum(sums, runtime.distributed)
+    totals = all_reduce_sum(totals, runtime.distributed).tolist()
+    sums = dict(zip(EPISODE_SUMS, totals))
+    # The names may differ between ranks, so they travel as objects.
+    merged: dict[str, list[float]] = {}
+    for rank_named in all_gather_objects(named, runtime.distributed):
+        for name, (count, total) in rank_named.items():
+            pair = merged.setdefault(name, [0.0, 0.0])
+            pair[0] += count
+            pair[1] += total
+    sums["named"] = merged
     generating = seconds if generation_seconds is None else generation_seconds
     seconds, generating = all_reduce_max([seconds, generating], runtime)
-    scored, reward_sum, reward_sq, tokens, truncated, count, bad = sums.tolist()
-    rewards_of = reward_metrics(scored, reward_sum, reward_sq) if scored else {}
     return {
-        "reward/mean": rewards_of.get("reward/mean", math.nan),
-        "reward/std": rewards_of.get("reward/std", math.nan),
+        **episode_metrics(sums, dropped=totals[-1]),
         "time/rollout": seconds,
-        "rollout/tokens_per_second": tokens / generating if generating > 0 else 0.0,
-        "rollout/completion_len/mean": tokens / count,
-        "rollout/truncated_fraction": truncated / count,
-        "rollout/bad_rewards": bad,
+        "rollout/tokens_per_second": sums["sampled_tokens"] / generating if generating > 0 else 0.0,
     }

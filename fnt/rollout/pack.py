@@ -1,8 +1,14 @@
-"""Pack scored rollouts into RL micro-batches. Pure: no side effects.
+"""The RL sample format and packing it into micro-batches. Pure: no side effects.
 
-Each completion is one document: its prompt tokens followed by its completion tokens. The rest
-of every row is one padding document without loss (fnt.data.packing's convention, so attention
-never mixes padding with samples).
+A sample is a token-exact trajectory (`RolloutSample`), one flat token branch: every token of
+the episode in order, a mask of the tokens the policy sampled, the sampler's logprob on each of
+those, the episode's reward and advantage, and facts about the episode (turns, tool calls,
+truncation, the policy step that sampled it). Only sampled tokens get loss, logprobs and
+advantages in the loss; the prompt, the tool results and the feedback in between are context.
+A single-turn sample is the special case with one sampled span at the end (`single_turn`).
+
+Each sample is one document. The rest of every row is one padding document without loss
+(fnt.data.packing's convention, so attention never mixes padding with samples).
 
 Capacity: a rank's samples must fit, first-fit in order, into its batch_size // dp rows of
 seq_len tokens (`first_fit`); that is what batch_size promises, and what the errors point at.
@@ -18,10 +24,11 @@ rather than seq_len squared. `fixed_layout` is the layout of rows of seq_len in 
 each other, fnt.model.attention), up to the order of float sums.
 
 Per-token values, aligned with input_ids (the value at t belongs to token t):
-- loss_mask: True on the completion tokens, the ones the policy sampled;
-- advantages: the document's advantage on all its tokens, 0 on padding;
+- loss_mask: the sample's `sampled` mask, True on the tokens the policy sampled;
+- advantages: the document's advantage on all its tokens, 0 on padding (the loss reads it on
+  loss tokens only);
 - temperatures: the sampling temperature everywhere, so dividing logits by it is always defined;
-- inference_logprobs: the sampler's logprob on completion tokens, 0 elsewhere.
+- inference_logprobs: the sampler's logprob on sampled tokens, 0 elsewhere.
 `sample_lengths` lists the documents of each row without the padding.
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -51,16 +59,74 @@ class MicroBatchPlan:
 
 @dataclass(frozen=True)
 class RolloutSample:
-    """One scored completion, ready to pack."""
+    """One scored trajectory, ready to pack: a flat token branch (module docstring)."""
 
-    prompt_ids: tuple[int, ...]
-    completion: Completion
+    token_ids: tuple[int, ...]  # [L] every token of the episode, context and sampled
+    sampled: tuple[bool, ...]  # [L] True on the tokens the policy sampled (they get loss)
+    logprobs: tuple[float, ...]  # [L] the sampler's logprob on sampled tokens, 0.0 elsewhere
     reward: float
+    """The episode's reward (the weighted sum of `named_rewards` when it has those)."""
     advantage: float
+    """The episode's advantage, on each of its sampled tokens."""
+    turns: int = 1
+    """Model turns of the episode (sampled spans)."""
+    tool_calls: int = 0
+    """Tool calls the environment ran for the episode."""
+    tool_errors: int = 0
+    """Of those, the ones that failed (a raising tool, a malformed call, an unknown tool)."""
+    truncated: bool = False
+    """The episode ended at a limit (max_new_tokens in a turn, max_turns, max_episode_tokens)
+    rather than by a stop token and the environment."""
+    policy_step: Optional[int] = None
+    """The policy step (updates done) whose weights sampled it, when known."""
+    named_rewards: tuple[tuple[str, float], ...] = ()
+    """(name, value) of each named reward the environment gave, before weighting."""
 
     @property
     def length(self) -> int:
-        return len(self.prompt_ids) + len(self.completion.token_ids)
+        return len(self.token_ids)
+
+    @property
+    def sampled_count(self) -> int:
+        """The tokens the policy sampled (the sample's loss tokens)."""
+        return sum(self.sampled)
+
+    def check(self) -> None:
+        """ValueError unless the per-token fields line up and a loss token can exist: the
+        first token is context (nothing predicts it), at least one token is sampled, logprobs
+        are 0 off the sampled tokens."""
+        n = len(self.token_ids)
+        if len(self.sampled) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"a rollout sample has {n} tokens but {len(self.sampled)} mask values and "
+                f"{len(self.logprobs)} logprobs"
+            )
+        if not n or self.sampled[0]:
+            raise ValueError("a rollout sample must start with a context token (not sampled)")
+        if not any(self.sampled):
+            raise ValueError("a rollout sample has no sampled token")
+        if any(lp != 0.0 for lp, s in zip(self.logprobs, self.sampled) if not s):
+            raise ValueError("a rollout sample has logprobs on tokens it did not sample")
+
+
+def single_turn(
+    prompt_ids: Sequence[int],
+    completion: Completion,
+    reward: float,
+    advantage: float,
+    **facts,
+) -> RolloutSample:
+    """The sample of one completion of a prompt: one sampled span after the prompt; truncated
+    when max_new_tokens cut the completion off."""
+    prompt, sampled = tuple(prompt_ids), completion.token_ids
+    return RolloutSample(
+        token_ids=prompt + sampled,
+        sampled=(False,) * len(prompt) + (True,) * len(sampled),
+        logprobs=(0.0,) * len(prompt) + tuple(completion.logprobs),
+        reward=reward,
+        advantage=advantage,
+        **{"truncated": not completion.stopped, **facts},
+    )
 
 
 def first_fit(
@@ -72,7 +138,7 @@ def first_fit(
     for i, length in enumerate(lengths):
         if length > seq_len:
             raise ValueError(
-                f"a rollout sample (prompt + completion) has {length} tokens, more than "
+                f"a rollout sample (all its turns) has {length} tokens, more than "
                 f"seq_len = {seq_len}: raise seq_len or lower rollout.max_new_tokens"
             )
         row = next((r for r in range(num_rows) if room[r] >= length), None)
@@ -163,6 +229,8 @@ def pack_rollouts(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    for sample in samples:
+        sample.check()
     lengths = [s.length for s in samples]
     first_fit(lengths, num_rows=num_rows, seq_len=seq_len)  # the capacity check
     if fitted:
@@ -193,10 +261,7 @@ def _micro_batch(
         t = 0
         for s in row:
             advantages[r, t : t + s.length] = s.advantage
-            prompt_end = t + len(s.prompt_ids)
-            logprobs[r, prompt_end : t + s.length] = torch.tensor(
-                s.completion.logprobs, dtype=torch.float32
-            )
+            logprobs[r, t : t + s.length] = torch.tensor(s.logprobs, dtype=torch.float32)
             t += s.length
     return RLMicroBatch(
         rows=packed,
@@ -208,7 +273,4 @@ def _micro_batch(
 
 
 def _document(sample: RolloutSample) -> tuple[torch.Tensor, torch.Tensor]:
-    completion = sample.completion.token_ids
-    ids = torch.tensor([*sample.prompt_ids, *completion], dtype=torch.int64)
-    mask = torch.tensor([False] * len(sample.prompt_ids) + [True] * len(completion))
-    return ids, mask
+    return torch.tensor(sample.token_ids, dtype=torch.int64), torch.tensor(sample.sampled)

@@ -28,8 +28,8 @@ from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
-from fnt.rollout.base import LOGPROB_SLACK, as_float32, reward_metrics
-from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
+from fnt.rollout.base import LOGPROB_SLACK, as_float32, episode_metrics, episode_sums
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts, single_turn
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
 from fnt.store.rundir import (
@@ -175,12 +175,9 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
         logprobs=tuple(logprobs) if logprobs is not None else (0.0,) * len(completion_ids),
         stopped=True,
     )
-    sample = RolloutSample(
-        prompt_ids=tuple(prompt_ids),
-        completion=completion,
-        reward=numbers["reward"],
-        advantage=numbers["advantage"],
-    )
+    sample = single_turn(prompt_ids, completion, numbers["reward"], numbers["advantage"])
+    if ref_logprobs is not None:
+        ref_logprobs = [0.0] * len(prompt_ids) + ref_logprobs
     return sample, numbers["temperature"], logprobs is not None, ref_logprobs
 
 
@@ -226,25 +223,18 @@ def rank_samples(
 
 
 def external_metrics(samples: list[RolloutSample], waited: float) -> dict[str, float]:
-    """reward/mean, reward/std, time/rollout and rollout/completion_len/mean of a step. Pure."""
-    rewards = [s.reward for s in samples]
-    lengths = [len(s.completion.token_ids) for s in samples]
-    return {
-        **reward_metrics(len(rewards), math.fsum(rewards), math.fsum(r * r for r in rewards)),
-        "time/rollout": waited,
-        "rollout/completion_len/mean": sum(lengths) / len(lengths),
-    }
+    """The episode metrics of a step's samples (fnt.rollout.base.episode_metrics) and
+    time/rollout. Pure."""
+    return {**episode_metrics(episode_sums(samples)), "time/rollout": waited}
 
 
 def with_ref_logprobs(micro_batches, share, refs, pack) -> tuple:
-    """The micro-batches with `ref_logprobs` from each sample's reference logprobs. Pure.
+    """The micro-batches with `ref_logprobs` from each sample's reference logprobs (one per
+    token, 0 off the sampled ones). Pure.
 
     Packing depends only on the samples' lengths, so packing the same samples with the
     reference logprobs in place of the inference ones puts every value at its token."""
-    as_inference = [
-        dataclasses.replace(s, completion=dataclasses.replace(s.completion, logprobs=tuple(ref)))
-        for s, ref in zip(share, refs)
-    ]
+    as_inference = [dataclasses.replace(s, logprobs=tuple(ref)) for s, ref in zip(share, refs)]
     return tuple(
         dataclasses.replace(mb, ref_logprobs=ref_mb.inference_logprobs)
         for mb, ref_mb in zip(micro_batches, pack(as_inference))

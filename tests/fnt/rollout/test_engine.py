@@ -20,13 +20,12 @@ from fnt.loop import fold
 from fnt.rollout import (
     Completion,
     InProcessEngine,
-    RolloutSample,
     generate,
     load_prompts,
     rollout_metrics,
     score_groups,
 )
-from fnt.rollout.pack import ROW_MULTIPLE
+from fnt.rollout.pack import ROW_MULTIPLE, single_turn
 from fnt.rollout.rewards import score, similarity
 from fnt.sources import rl_source
 from fnt.state import Progress, StaleStateError
@@ -265,9 +264,7 @@ def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, pr
 
 def test_rollout_metrics_of_one_process():
     def sample(reward, length, stopped):
-        return RolloutSample(
-            (1,), Completion((2,) * length, (-1.0,) * length, stopped), reward, 0.0
-        )
+        return single_turn((1,), Completion((2,) * length, (-1.0,) * length, stopped), reward, 0.0)
 
     samples = [
         sample(0.0, 4, True),
@@ -284,6 +281,14 @@ def test_rollout_metrics_of_one_process():
         "rollout/completion_len/mean": 5.0,
         "rollout/truncated_fraction": 0.25,
         "rollout/bad_rewards": 0.0,
+        "rollout/episodes": 4.0,
+        "rollout/turns/mean": 1.0,
+        "rollout/tool_calls/mean": 0.0,
+        "rollout/tool_errors/mean": 0.0,
+        "rollout/truncated_episodes": 1.0,
+        "rollout/dropped_episodes": 0.0,
+        "rollout/sampled_tokens": 20.0,
+        "rollout/context_tokens": 4.0,
     }
     # A NaN reward (its group skipped) stays out of reward/*, and is counted.
     samples[1] = sample(float("nan"), 8, False)

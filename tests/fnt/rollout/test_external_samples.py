@@ -50,14 +50,14 @@ def test_non_finite_or_malformed_values_name_the_file_and_line(fields, message):
 
 def test_a_logprob_a_little_above_0_from_a_samplers_rounding_is_accepted():
     sample, *_ = parse_sample(line(inference_logprobs=[-0.1, 1e-6, 0.0]), "f, line 1")
-    assert sample.completion.logprobs == (-0.1, 1e-6, 0.0)
+    assert sample.logprobs == (0.0, 0.0, -0.1, 1e-6, 0.0)
 
 
 def test_a_sample_parses_its_reference_logprobs():
     sample, temperature, has_logprobs, ref = parse_sample(
         line(ref_logprobs=[-1, -2.5, -0.5], temperature=0.7), "f, line 1"
     )
-    assert ref == [-1.0, -2.5, -0.5] and not has_logprobs and temperature == 0.7
+    assert ref == [0.0, 0.0, -1.0, -2.5, -0.5] and not has_logprobs and temperature == 0.7
     assert parse_sample(line(), "f, line 1")[3] is None
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.rollout import Completion, RolloutSample, first_fit, pack_rollouts
-from fnt.rollout.pack import ROW_MULTIPLE, empty_plan, fixed_layout, plan_micro_batches
+from fnt.rollout.pack import ROW_MULTIPLE, empty_plan, fixed_layout, plan_micro_batches, single_turn
 
 PAD = 257
 
@@ -28,9 +28,7 @@ def rollout_samples(draw, max_len: int):
         logprobs = tuple(-0.5 - 0.01 * t for t in range(completion_len))
         completion = Completion(tokens, logprobs, stopped=draw(st.booleans()))
         samples.append(
-            RolloutSample(
-                prompt, completion, reward=0.0, advantage=draw(st.floats(-3, 3, width=32))
-            )
+            single_turn(prompt, completion, reward=0.0, advantage=draw(st.floats(-3, 3, width=32)))
         )
     return samples
 
@@ -85,20 +83,14 @@ def test_packed_rollouts_keep_every_sample_and_its_per_token_values(
         doc_ids = set()
         for i, (start, length) in zip(placed, documents(mb, r)):
             s, end = samples[i], start + length
-            prompt_end = start + len(s.prompt_ids)
-            assert mb.rows.input_ids[r, start:end].tolist() == [
-                *s.prompt_ids,
-                *s.completion.token_ids,
-            ]
+            assert mb.rows.input_ids[r, start:end].tolist() == list(s.token_ids)
             assert mb.rows.position_ids[r, start:end].tolist() == list(range(length))
             assert len(set(mb.rows.document_ids[r, start:end].tolist())) == 1
             doc_ids.add(int(mb.rows.document_ids[r, start]))
-            assert mb.rows.loss_mask[r, start:end].tolist() == [False] * len(s.prompt_ids) + [
-                True
-            ] * len(s.completion.token_ids)
+            assert mb.rows.loss_mask[r, start:end].tolist() == list(s.sampled)
             assert bool((mb.advantages[r, start:end] == s.advantage).all())
             torch.testing.assert_close(
-                mb.inference_logprobs[r, prompt_end:end], torch.tensor(s.completion.logprobs)
+                mb.inference_logprobs[r, start:end], torch.tensor(s.logprobs)
             )
             covered[start:end] = True
         padding = ~covered
@@ -155,7 +147,7 @@ def test_first_fit_puts_each_sample_into_the_first_row_with_room(lengths, num_ro
 
 def sample_of(prompt_len: int, completion_len: int) -> RolloutSample:
     completion = Completion((5,) * completion_len, (-1.0,) * completion_len, stopped=False)
-    return RolloutSample((1,) * prompt_len, completion, reward=0.0, advantage=1.0)
+    return single_turn((1,) * prompt_len, completion, reward=0.0, advantage=1.0)
 
 
 def test_a_sample_longer_than_seq_len_says_to_raise_seq_len():
@@ -245,7 +237,7 @@ def test_fitted_rows_give_the_loss_and_gradients_of_rows_of_seq_len(eval_model):
         # Inference logprobs off the policy's, so the ratios (and the masking) matter.
         logprobs = tuple((-5.5 + 0.5 * torch.rand(completion_len, generator=gen)).tolist())
         advantage = float(torch.randn((), generator=gen))
-        samples.append(RolloutSample(prompt, Completion(tokens, logprobs, False), 0.0, advantage))
+        samples.append(single_turn(prompt, Completion(tokens, logprobs, False), 0.0, advantage))
     settings_ = dict(num_rows=8, seq_len=128, micro_batch_size=2, temperature=0.7, pad_token_id=PAD)
     fixed = pack_rollouts(samples, **settings_, fitted=False)
     fitted = pack_rollouts(samples, **settings_)

@@ -8,7 +8,7 @@ from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig
 from fnt.dist.runtime import Runtime
 from fnt.rollout.advantages import group_advantages
-from fnt.rollout.pack import RolloutSample, pack_rollouts
+from fnt.rollout.pack import pack_rollouts, single_turn
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
 
@@ -26,7 +26,7 @@ class ToyEngine(Stateless):
         rewards = [float(ids.count(7)) for ids in COMPLETIONS]
         advantages = group_advantages([rewards], std_normalize=True)[0].tolist()
         samples = [
-            RolloutSample(PROMPT, Completion(ids, (-1.0,) * len(ids), True), reward, advantage)
+            single_turn(PROMPT, Completion(ids, (-1.0,) * len(ids), True), reward, advantage)
             for ids, reward, advantage in zip(COMPLETIONS, rewards, advantages)
         ]
         config = self.config
