@@ -137,22 +137,103 @@ def _logprob_list(record: dict, key: str, length: int, where: str) -> Optional[l
     return [float(v) for v in values]
 
 
+def _flat_logprobs(record: dict, key: str, mask: list[bool], where: str) -> Optional[list[float]]:
+    """record[key] of a flat sample: one entry per token, a log-probability at each sampled
+    token and null at the others; as floats with 0.0 off the sampled tokens, or None when
+    absent."""
+    values = record.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != len(mask):
+        got = len(values) if isinstance(values, list) else type(values).__name__
+        raise DataError(
+            f"{where}: '{key}' needs one entry per token of 'token_ids' ({len(mask)}), "
+            f"null where 'mask' is 0; got {got}"
+        )
+    for i, (value, sampled) in enumerate(zip(values, mask)):
+        if sampled and value is None:
+            raise DataError(
+                f"{where}: '{key}' has no value at token {i}, which 'mask' marks sampled"
+            )
+        if not sampled and value is not None:
+            raise DataError(
+                f"{where}: '{key}' has {value!r} at token {i}, which 'mask' does not mark sampled "
+                "(give null there: only sampled tokens have a sampler's logprob)"
+            )
+    sampled_values = [v for v, m in zip(values, mask) if m]
+    checked = _logprob_list({key: sampled_values}, key, len(sampled_values), where)
+    assert checked is not None
+    it = iter(checked)
+    return [next(it) if m else 0.0 for m in mask]
+
+
+def _flat_sample(
+    record: dict, numbers: dict[str, float], where: str
+) -> tuple[RolloutSample, bool, Optional[list[float]]]:
+    """A flat (multi-turn) line: token_ids, mask, logprobs and ref_logprobs on sampled tokens."""
+    if "prompt_ids" in record or "completion_ids" in record:
+        raise DataError(
+            f"{where}: give either 'token_ids' with 'mask' (the flat form) or 'prompt_ids' with "
+            "'completion_ids', not both"
+        )
+    if "mask" not in record:
+        raise DataError(f"{where}: missing 'mask' (1 on the tokens the policy sampled)")
+    token_ids = _int_list(record["token_ids"], "token_ids", where)
+    mask = record["mask"]
+    if not isinstance(mask, list) or not all(v in (0, 1) for v in mask):
+        raise DataError(f"{where}: 'mask' must be a list of 0 and 1 (or false and true)")
+    if len(mask) != len(token_ids):
+        raise DataError(
+            f"{where}: 'mask' has {len(mask)} values for the {len(token_ids)} tokens of "
+            "'token_ids'; it needs one per token"
+        )
+    mask = [bool(v) for v in mask]
+    if not any(mask):
+        raise DataError(f"{where}: 'mask' marks no token as sampled; a sample needs at least one")
+    if mask[0]:
+        raise DataError(
+            f"{where}: 'mask' marks token 0 as sampled, but nothing precedes it to sample it "
+            "from; a sample starts with context (the prompt)"
+        )
+    logprobs = _flat_logprobs(record, "logprobs", mask, where)
+    ref_logprobs = _flat_logprobs(record, "ref_logprobs", mask, where)
+    facts: dict[str, Any] = {}
+    for key in ("turns", "tool_calls", "tool_errors"):
+        if key in record:
+            value = record[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DataError(f"{where}: '{key}' must be an integer >= 0, got {value!r}")
+            facts[key] = value
+    if "truncated" in record:
+        if not isinstance(record["truncated"], bool):
+            raise DataError(f"{where}: 'truncated' must be true or false")
+        facts["truncated"] = record["truncated"]
+    sample = RolloutSample(
+        token_ids=tuple(token_ids),
+        sampled=tuple(mask),
+        logprobs=tuple(logprobs) if logprobs is not None else (0.0,) * len(mask),
+        reward=numbers["reward"],
+        advantage=numbers["advantage"],
+        **facts,
+    )
+    return sample, logprobs is not None, ref_logprobs
+
+
 def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Optional[list[float]]]:
-    """One samples.jsonl line -> (sample, temperature, has inference logprobs, its reference
-    logprobs or None). Pure."""
+    """One samples.jsonl line, in either form -> (sample, temperature, has inference logprobs,
+    its reference logprobs per token or None). Pure."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object")
-    for key in ("prompt_ids", "completion_ids", "advantage"):
+    flat = "token_ids" in record
+    for key in ("token_ids",) if flat else ("prompt_ids", "completion_ids"):
         if key not in record:
             raise DataError(f"{where}: missing '{key}'")
-    prompt_ids = _int_list(record["prompt_ids"], "prompt_ids", where)
-    completion_ids = _int_list(record["completion_ids"], "completion_ids", where)
-    if not prompt_ids or not completion_ids:
-        raise DataError(f"{where}: 'prompt_ids' and 'completion_ids' must not be empty")
+    if "advantage" not in record:
+        raise DataError(f"{where}: missing 'advantage'")
     numbers = {}
     for key, default in (("advantage", None), ("reward", 0.0), ("temperature", 1.0)):
         value = record.get(key, default)
@@ -168,6 +249,13 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
         numbers[key] = float(value)
     if numbers["temperature"] <= 0:
         raise DataError(f"{where}: 'temperature' must be > 0")
+    if flat:
+        sample, has_logprobs, ref_logprobs = _flat_sample(record, numbers, where)
+        return sample, numbers["temperature"], has_logprobs, ref_logprobs
+    prompt_ids = _int_list(record["prompt_ids"], "prompt_ids", where)
+    completion_ids = _int_list(record["completion_ids"], "completion_ids", where)
+    if not prompt_ids or not completion_ids:
+        raise DataError(f"{where}: 'prompt_ids' and 'completion_ids' must not be empty")
     logprobs = _logprob_list(record, "inference_logprobs", len(completion_ids), where)
     ref_logprobs = _logprob_list(record, "ref_logprobs", len(completion_ids), where)
     completion = Completion(
@@ -317,5 +405,3 @@ class ExternalRollouts(Stateless):
                 "rollout/staleness": float(step - 1 - policy_step),
             },
         )
-
-
