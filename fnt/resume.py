@@ -171,6 +171,10 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.max_new_tokens": MAY_CHANGE,
     "rollout.temperature": MAY_CHANGE,
     "rollout.reward": MAY_CHANGE,
+    "rollout.environment": MAY_CHANGE,  # like the reward: the task's rules
+    "rollout.max_turns": MAY_CHANGE,
+    "rollout.max_episode_tokens": MAY_CHANGE,
+    "rollout.on_truncated": MAY_CHANGE,
     "rollout.std_normalize": MAY_CHANGE,
     "rollout.timeout_s": MAY_CHANGE,
     "rollout.keep_weights": MAY_CHANGE,

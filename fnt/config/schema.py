@@ -384,6 +384,14 @@ class RolloutConfig:
     """Sampling temperature."""
     reward: str = ""
     """Reward function: a registry name (see fnt.rollout.rewards) or "module:function"."""
+    environment: str = ""
+    """Episodes: "module:factory" of an environment (fnt.rollout.environments); empty: one turn."""
+    max_turns: int = 4
+    """Model turns per episode at most; an environment answering the last one truncates it."""
+    max_episode_tokens: int = 0
+    """Tokens per episode at most, prompt, replies and sampled turns together (0: seq_len)."""
+    on_truncated: Literal["score", "zero", "drop"] = "score"
+    """An episode ended by a limit: scored as it is, given reward 0, or dropped from the batch."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
     timeout_s: float = 600.0

@@ -263,10 +263,20 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
 
     require(bool(rollout.prompts), "prompts", "name a JSONL file of prompts")
     require(
-        bool(rollout.reward),
+        bool(rollout.reward or rollout.environment),
         "reward",
-        'name a reward (see fnt.rollout.rewards) or "module:function"',
+        'name a reward (see fnt.rollout.rewards) or "module:function", or set rollout.environment',
     )
+    if rollout.environment:
+        module, colon, factory = rollout.environment.partition(":")
+        require(
+            bool(module and colon and factory),
+            "environment",
+            'must be "module:factory", a function returning an environment '
+            "(fnt.rollout.environments)",
+        )
+    require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
+    require(rollout.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0: seq_len)")
     require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
     require(
         rollout.prompts_per_step % dp_size == 0,

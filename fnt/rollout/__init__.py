@@ -3,7 +3,9 @@ Pure except the engine (fnt.rollout.engines.in_process), which loads a model cop
 policy, generates and all-reduces metrics, and load_prompts, which reads the prompts file.
 
     load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.dist.parallel)
-    -> generate (sampling) -> score (fnt.rollout.rewards) -> group_advantages (advantages)
+    -> run_episodes (environments.episodes: batched turns of generate (sampling), the
+       environment's replies rendered token-exact (environments.render))
+    -> scored_samples (the environment's score, group_advantages) -> RolloutSample (pack)
     -> pack_rollouts (pack) -> RLBatch per rank (InProcessEngine.rollout)
 
 Each name below is loaded on first use, so that importing one rollout module (the config's
@@ -29,7 +31,7 @@ _EXPORTS = {
     "reward_metrics": "fnt.rollout.base",
     "rollout_metrics": "fnt.rollout.base",
     "sampling_seed": "fnt.rollout.sampling",
-    "score_groups": "fnt.rollout.base",
+    "single_turn": "fnt.rollout.pack",
     "step_prompts": "fnt.rollout.prompts",
 }
 

@@ -17,17 +17,21 @@ from typing import Optional
 import torch
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.config import RLConfig, RolloutConfig, validate_rollout
+from fnt.config import ConfigError, RLConfig, validate_rollout
 from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from fnt.dist.parallel import check_batch_layout
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
-from fnt.rollout.advantages import group_advantages
-from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts, single_turn
+from fnt.rollout.environments import environment_of
+from fnt.rollout.environments.episodes import (
+    EpisodeRules,
+    TurnSampler,
+    run_episodes,
+    scored_samples,
+)
+from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
-from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
-from fnt.rollout.sampling import Completion
 
 # A sampler's float32 or bf16 log-softmax can round a probability of 1 to a logprob a little
 # above 0; anything beyond that is not a log-probability.
@@ -53,7 +57,7 @@ class PromptRollouts:
             config.batch_size, config.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size
         )
         self.config, self.runtime = config, runtime
-        self.reward_fn = reward_function(rollout.reward)
+        self.environment, name = environment_of(rollout)
         self.tokenizer = load_tokenizer(config.model.name)
         self.pad_token_id = pad_token_id(self.tokenizer)
         # eos, generation_config.json's eos list and the template's end-of-turn token.
@@ -61,14 +65,32 @@ class PromptRollouts:
             self.stop_token_ids = stop_token_ids(self.tokenizer, config.model.name)
         except ValueError as e:
             raise ValueError(f"{config.model.name}: nothing to stop generation at: {e}") from e
-        self.prompts = load_prompts(rollout.prompts, self.tokenizer)
+        if rollout.max_episode_tokens > config.seq_len:
+            raise ConfigError(
+                f"'rollout.max_episode_tokens' = {rollout.max_episode_tokens}: an episode is one "
+                f"sample, so it must fit seq_len = {config.seq_len}"
+            )
+        budget = rollout.max_episode_tokens or config.seq_len
+        self.prompts = load_prompts(rollout.prompts, self.tokenizer, self.environment.start)
         check_prompt_lengths(
             self.prompts,
             rollout.prompts,
             max_new_tokens=rollout.max_new_tokens,
             seq_len=config.seq_len,
+            budget=budget,
         )
         self.order = prompt_order(len(self.prompts), config.seed)
+        self.rules = EpisodeRules(
+            group_size=rollout.group_size,
+            max_new_tokens=rollout.max_new_tokens,
+            max_turns=rollout.max_turns,
+            max_episode_tokens=budget,
+            on_truncated=rollout.on_truncated,
+            on_bad_reward=rollout.on_bad_reward,
+            std_normalize=rollout.std_normalize,
+            prompts_path=rollout.prompts,
+            name=name,
+        )
 
     def step_prompts(self, position: DataPosition) -> tuple[list[int], DataPosition]:
         """The indices of the global prompts of the step at `position`, and the position after."""
@@ -88,9 +110,13 @@ class PromptRollouts:
             jobs.pop(key).cancel()
         return wanted
 
-    def score(self, prompts: Sequence[Prompt], groups) -> list[RolloutSample]:
-        """Each prompt's completions decoded, scored and given their group's advantages."""
-        return score_groups(prompts, groups, self.tokenizer, self.reward_fn, self.config.rollout)
+    def episodes(
+        self, prompts: Sequence[Prompt], sampler: TurnSampler, policy_step: Optional[int] = None
+    ) -> tuple[list[RolloutSample], int]:
+        """The episodes of `prompts` (group_size each) run with `sampler` and scored, as samples
+        in prompt order, and how many truncated episodes were dropped (rollout.on_truncated)."""
+        episodes = run_episodes(prompts, sampler, self.environment, self.tokenizer, self.rules)
+        return scored_samples(episodes, self.environment, self.rules, policy_step)
 
     def batch(
         self,
@@ -100,6 +126,7 @@ class PromptRollouts:
         *,
         generation_seconds: Optional[float] = None,
         staleness: int = 0,
+        dropped: int = 0,
     ) -> RLBatch:
         """Pack this rank's samples and measure them: collectives when distributed."""
         config, runtime, rollout = self.config, self.runtime, self.config.rollout
@@ -119,7 +146,9 @@ class PromptRollouts:
             pad_token_id=self.pad_token_id,
             num_micro_batches=int(all_reduce_max([count], runtime)[0]),
         )
-        metrics = rollout_metrics(samples, seconds, runtime, generation_seconds=generation_seconds)
+        metrics = rollout_metrics(
+            samples, seconds, runtime, generation_seconds=generation_seconds, dropped=dropped
+        )
         metrics["rollout/staleness"] = float(staleness)
         return RLBatch(
             micro_batches=micro_batches,
@@ -135,44 +164,26 @@ def rollout_policy_step(step: int, async_level: int) -> int:
 
 
 def check_prompt_lengths(
-    prompts: Sequence[Prompt], path: str, *, max_new_tokens: int, seq_len: int
+    prompts: Sequence[Prompt],
+    path: str,
+    *,
+    max_new_tokens: int,
+    seq_len: int,
+    budget: Optional[int] = None,
 ) -> None:
-    """DataError for the first prompt whose longest possible sample would not fit in seq_len."""
+    """DataError for the first prompt whose first turn would not fit in seq_len (or the episode
+    token budget, rollout.max_episode_tokens, when it is below seq_len)."""
+    limit = seq_len if budget is None else min(budget, seq_len)
+    what = f"seq_len = {seq_len}" if limit == seq_len else f"rollout.max_episode_tokens = {limit}"
     for prompt in prompts:
         length = len(prompt.token_ids)
         longest = length + max_new_tokens
-        if longest > seq_len:
+        if longest > limit:
             raise DataError(
                 f"{path}, line {prompt.line}: the prompt has {length} tokens, so with "
                 f"rollout.max_new_tokens = {max_new_tokens} a sample can have {longest} tokens, "
-                f"more than seq_len = {seq_len}: raise seq_len or lower rollout.max_new_tokens"
+                f"more than {what}: raise {what.split(' =')[0]} or lower rollout.max_new_tokens"
             )
-
-
-def score_groups(
-    prompts: Sequence[Prompt],
-    groups: Sequence[Sequence[Completion]],
-    tokenizer,
-    reward_fn: RewardFn,
-    rollout: RolloutConfig,
-) -> list[RolloutSample]:
-    """Decode and score each prompt's completions (groups[i] are prompts[i]'s) and give each
-    group its advantages; the samples in prompt order."""
-    samples: list[RolloutSample] = []
-    for prompt, completions in zip(prompts, groups):
-        texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-        where = f"the prompt of line {prompt.line} of rollout.prompts"
-        rewards = score(texts, prompt.record, reward_fn, rollout.reward, where)
-        if keep_group(rewards, rollout.on_bad_reward, where, rollout.reward):
-            advantages = group_advantages([rewards], std_normalize=rollout.std_normalize)[0]
-            advantages = advantages.tolist()
-        else:
-            advantages = [0.0] * len(rewards)
-        samples += [
-            single_turn(prompt.token_ids, c, reward, advantage)
-            for c, reward, advantage in zip(completions, rewards, advantages)
-        ]
-    return samples
 
 
 def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:

@@ -14,10 +14,10 @@ and rank r takes the r-th contiguous share of them (fnt.dist.parallel.rank_share
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from fnt.batch import DataPosition
 from fnt.data.chat import check_message_list
@@ -36,6 +36,10 @@ class Prompt:
     """The rendered conversation up to and including the assistant's generation prompt."""
     line: int
     """1-based line number in the file, for error messages."""
+    messages: tuple[Mapping[str, Any], ...] = ()
+    """The episode's first messages (what `token_ids` renders)."""
+    tools: Optional[tuple[Mapping[str, Any], ...]] = None
+    """The tools' JSON schemas the template was given, or None."""
 
 
 def prompt_messages(record: object) -> list[dict[str, Any]]:
@@ -59,26 +63,50 @@ def prompt_messages(record: object) -> list[dict[str, Any]]:
     return messages
 
 
-def render_prompt(messages: Sequence[Mapping[str, Any]], tokenizer) -> list[int]:
-    """Token ids of the conversation rendered with the generation prompt, ready to continue."""
+def render_prompt(
+    messages: Sequence[Mapping[str, Any]], tokenizer, tools: Optional[Sequence[Mapping]] = None
+) -> list[int]:
+    """Token ids of the conversation rendered with the generation prompt (and the tools' JSON
+    schemas, when given), ready to continue."""
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template, which prompt rendering needs")
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    extra = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=False, **extra
+    )
     # The template already wrote any special tokens it wants; the tokenizer must not add more.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def load_prompts(path: str | Path, tokenizer) -> tuple[Prompt, ...]:
-    """Every prompt of a JSONL file; a bad line raises DataError naming the file and line."""
+def load_prompts(
+    path: str | Path, tokenizer, start: Optional[Callable[[Any], Any]] = None
+) -> tuple[Prompt, ...]:
+    """Every prompt of a JSONL file; a bad line raises DataError naming the file and line.
+
+    `start` (an environment's, fnt.rollout.environments.protocol) gives a record's first
+    messages and tools; without it a record's messages are `prompt_messages`."""
     prompts = []
     for line_number, record in jsonl_records(path, f"the prompts file {path}"):
         try:
-            token_ids = render_prompt(prompt_messages(record), tokenizer)
+            if start is None:
+                messages, tools = prompt_messages(record), None
+            else:
+                begun = start(record)
+                messages, tools = list(begun.messages), begun.tools
+            token_ids = render_prompt(messages, tokenizer, tools)
         except ValueError as e:
             raise DataError(f"{path}, line {line_number}: {e}") from e
         if not token_ids:
             raise DataError(f"{path}, line {line_number}: the prompt renders to no tokens")
-        prompts.append(Prompt(record=record, token_ids=tuple(token_ids), line=line_number))
+        prompts.append(
+            Prompt(
+                record=record,
+                token_ids=tuple(token_ids),
+                line=line_number,
+                messages=tuple(dict(m) for m in messages),
+                tools=None if tools is None else tuple(tools),
+            )
+        )
     if not prompts:
         raise DataError(f"{path}: the file is empty (no JSONL prompt records)")
     return tuple(prompts)

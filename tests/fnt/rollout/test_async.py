@@ -86,8 +86,10 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
     for n, (batch, progress) in enumerate(zip(batches, states), start=1):
         policy_step = rollout_policy_step(n, 1)
         reference.model.load_state_dict(weights[policy_step])
-        samples, after = reference.sample(reference.model, n, progress.data)
-        expected = reference.batch(samples, after, 0.0, staleness=n - 1 - policy_step)
+        samples, dropped, after = reference.sample(reference.model, n, progress.data, policy_step)
+        expected = reference.batch(
+            samples, after, 0.0, staleness=n - 1 - policy_step, dropped=dropped
+        )
         assert_same_batch(batch, expected)
         assert batch.metrics["rollout/staleness"] == min(n - 1, 1)
 

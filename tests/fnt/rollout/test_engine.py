@@ -23,8 +23,9 @@ from fnt.rollout import (
     generate,
     load_prompts,
     rollout_metrics,
-    score_groups,
 )
+from fnt.rollout.environments import SingleTurnEnvironment
+from fnt.rollout.environments.episodes import EpisodeRules, run_episodes, scored_samples
 from fnt.rollout.pack import ROW_MULTIPLE, single_turn
 from fnt.rollout.rewards import score, similarity
 from fnt.sources import rl_source
@@ -236,29 +237,42 @@ def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, pr
 
     rollout = rl_config(eval_model, prompts_file, reward="test_reward").rollout
 
-    def groups(chosen, config):
-        generators = [torch.Generator().manual_seed(0) for _ in chosen]
-        stops = {tokenizer.eos_token_id}
-        completions = generate(
-            eval_model,
-            [p.token_ids for p in chosen],
-            num_samples=config.group_size,
-            max_new_tokens=config.max_new_tokens,
-            stop_token_ids=stops,
-            temperature=config.temperature,
-            generators=generators,
+    class Turns:
+        def first(self, contexts, num_samples, max_new_tokens):
+            return generate(
+                eval_model,
+                contexts,
+                num_samples=num_samples,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids={tokenizer.eos_token_id},
+                temperature=rollout.temperature,
+                generators=[torch.Generator().manual_seed(0) for _ in contexts],
+            )
+
+    def groups(chosen, on_bad_reward):
+        rules = EpisodeRules(
+            group_size=rollout.group_size,
+            max_new_tokens=rollout.max_new_tokens,
+            max_turns=1,
+            max_episode_tokens=128,
+            on_truncated="score",
+            on_bad_reward=on_bad_reward,
+            std_normalize=True,
+            prompts_path="rollout.prompts",
+            name="reward 'test_reward'",
         )
-        return score_groups(chosen, completions, tokenizer, reward, config)
+        environment = SingleTurnEnvironment(reward)
+        episodes = run_episodes(chosen, Turns(), environment, tokenizer, rules)
+        return scored_samples(episodes, environment, rules)[0]
 
     with pytest.raises(
         ValueError, match=r"'test_reward' returned nan on .* line 2 .*on_bad_reward"
     ):
-        groups([prompts[1]], rollout)
-    skip = dataclasses.replace(rollout, on_bad_reward="skip")
-    skipped = groups([prompts[1]], skip)
+        groups([prompts[1]], "error")
+    skipped = groups([prompts[1]], "skip")
     assert len(skipped) == rollout.group_size
     assert all(s.advantage == 0.0 and math.isnan(s.reward) for s in skipped)
-    kept = groups([prompts[0]], skip)
+    kept = groups([prompts[0]], "skip")
     assert any(s.advantage != 0.0 for s in kept)
 
 

@@ -1,0 +1,53 @@
+"""RL environments: the protocol (protocol.py), the built-ins (single_turn.py, tools.py,
+feedback.py), the token-exact rendering of a conversation's next turn (render.py) and the
+episodes of a step run turn by turn (episodes.py). Pure, except that `environment_of` imports
+the module a "module:factory" names.
+
+`rollout.environment = "module:factory"` names a function called once per run as
+factory(rollout_config) that returns the environment; empty is the single-turn environment
+with rollout.reward.
+"""
+
+from __future__ import annotations
+
+from fnt.config import RolloutConfig
+from fnt.config.references import import_function
+from fnt.rollout.environments.feedback import FeedbackEnvironment
+from fnt.rollout.environments.protocol import Environment, Reply, Start
+from fnt.rollout.environments.single_turn import SingleTurnEnvironment
+from fnt.rollout.environments.tools import ToolEnvironment, parse_tool_calls, tool_schema
+from fnt.rollout.rewards import reward_function
+
+__all__ = [
+    "Environment",
+    "FeedbackEnvironment",
+    "Reply",
+    "SingleTurnEnvironment",
+    "Start",
+    "ToolEnvironment",
+    "environment_of",
+    "parse_tool_calls",
+    "tool_schema",
+]
+
+
+def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
+    """The environment of a run and the name its errors use: rollout.environment's factory
+    called with the rollout config, or the single-turn environment with rollout.reward."""
+    if not rollout.environment:
+        return SingleTurnEnvironment(reward_function(rollout.reward)), f"reward {rollout.reward!r}"
+    try:
+        factory = import_function(rollout.environment, 1)
+    except ValueError as e:
+        raise ValueError(f"'rollout.environment' = {e}") from None
+    environment = factory(rollout)
+    missing = [
+        m for m in ("start", "respond", "score") if not callable(getattr(environment, m, None))
+    ]
+    if missing:
+        raise ValueError(
+            f"'rollout.environment' = {rollout.environment!r}: the factory returned "
+            f"{type(environment).__name__}, which lacks {', '.join(missing)} "
+            "(fnt.rollout.environments.protocol)"
+        )
+    return environment, f"environment {rollout.environment!r}"

@@ -1,0 +1,254 @@
+"""The episodes of one rank's step, run turn by turn, and their scored samples. Pure, except
+for what the engine's sampler and the environment do.
+
+All episodes of a step advance together: a turn is one batched sampling call over every
+episode still running (`TurnSampler`), and an episode that ends leaves the batch. The first
+turn samples group_size completions of each prompt, as a single-turn rollout always has (so a
+single-turn environment's samples are exactly those of before); each later turn samples one
+continuation per running episode. After every turn the environment answers or ends the
+episode, and the reply's tokens are appended after the sampled ones
+(fnt.rollout.environments.render).
+
+Limits (rollout.max_turns, rollout.max_episode_tokens: 0 means seq_len) end an episode as
+truncated: a turn cut off by max_new_tokens or by the token budget, a reply after the last
+allowed turn, or a reply that leaves no room for another sampled token. rollout.on_truncated
+decides what a truncated episode is worth: "score" scores it as it is, "zero" gives it reward 0
+without asking the environment, "drop" leaves it out of the batch (its group's advantages come
+from the others); rollout/truncated_episodes and rollout/dropped_episodes count them. A
+trajectory always ends with its last sampled token: a reply after which nothing was sampled is
+not part of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+from fnt.rollout.advantages import group_advantages
+from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
+from fnt.rollout.environments.render import reply_ids
+from fnt.rollout.pack import RolloutSample
+from fnt.rollout.prompts import Prompt
+from fnt.rollout.rewards import keep_group
+from fnt.rollout.sampling import Completion
+
+
+@dataclass(frozen=True)
+class EpisodeRules:
+    """The settings episodes run by (from rollout.* and seq_len)."""
+
+    group_size: int
+    max_new_tokens: int
+    max_turns: int
+    max_episode_tokens: int  # the resolved budget: rollout.max_episode_tokens or seq_len
+    on_truncated: str  # "score", "zero" or "drop"
+    on_bad_reward: str
+    std_normalize: bool
+    prompts_path: str
+    name: str  # how errors name the environment: "reward 'x'" or "environment 'm:f'"
+
+
+class TurnSampler(Protocol):
+    """What an engine does for the episodes: sample one batched turn."""
+
+    def first(
+        self, prompts: Sequence[Sequence[int]], num_samples: int, max_new_tokens: int
+    ) -> list[list[Completion]]:
+        """Per prompt, num_samples completions (the first turn of its group)."""
+        ...
+
+    def next(
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        keys: Sequence[tuple[int, int, int]],
+    ) -> list[Completion]:
+        """One completion per context, at most max_new_tokens[i] long; keys[i] is (the prompt's
+        index among this call's prompts, the episode's index in its group, the turn, from 2)."""
+        ...
+
+
+@dataclass
+class Episode:
+    """One episode in flight: its flat tokens so far and its conversation."""
+
+    prompt: Prompt
+    slot: int  # the prompt's index among the rank's prompts of the step
+    index: int  # the episode's index in its group
+    token_ids: list[int]
+    sampled: list[bool]
+    logprobs: list[float]
+    messages: list[Mapping[str, Any]]
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
+    running: bool = True
+    named: Optional[Scored] = field(default=None)
+
+    def where(self, rules: EpisodeRules) -> str:
+        return f"the prompt of line {self.prompt.line} of {rules.prompts_path}"
+
+
+def turn_text(tokenizer, completion: Completion, keep_special_tokens: bool) -> str:
+    """A model turn as the environment reads it (fnt.rollout.environments.protocol)."""
+    if not keep_special_tokens:
+        return tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+    ids = completion.token_ids[:-1] if completion.stopped else completion.token_ids
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def advance_(
+    episode: Episode,
+    completion: Completion,
+    environment: Environment,
+    tokenizer,
+    rules: EpisodeRules,
+) -> None:
+    """Append a sampled turn to the episode, ask the environment, and append its reply's tokens
+    or end the episode (module docstring)."""
+    episode.token_ids += completion.token_ids
+    episode.sampled += [True] * len(completion.token_ids)
+    episode.logprobs += completion.logprobs
+    episode.turns += 1
+    keep = getattr(environment, "keep_special_tokens", False)
+    episode.messages.append(
+        {"role": "assistant", "content": turn_text(tokenizer, completion, keep)}
+    )
+    if not completion.stopped:
+        episode.truncated, episode.running = True, False
+        return
+    record = episode.prompt.record
+    try:
+        reply = environment.respond(record, list(episode.messages))
+    except Exception as e:
+        raise ValueError(
+            f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}: {e}"
+        ) from e
+    if reply is None:
+        episode.running = False
+        return
+    if not isinstance(reply, Reply):
+        raise ValueError(
+            f"{rules.name} answered turn {episode.turns} on {episode.where(rules)} with "
+            f"{type(reply).__name__}; expected a Reply or None"
+        )
+    episode.tool_calls += reply.tool_calls
+    episode.tool_errors += reply.tool_errors
+    if episode.turns >= rules.max_turns:
+        episode.truncated, episode.running = True, False
+        return
+    try:
+        ids = reply_ids(
+            tokenizer, episode.messages, episode.prompt.tools, reply.messages, completion.token_ids
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{rules.name}: turn {episode.turns} on {episode.where(rules)}: {e}"
+        ) from None
+    if len(episode.token_ids) + len(ids) >= rules.max_episode_tokens:
+        episode.truncated, episode.running = True, False
+        return
+    episode.token_ids += ids
+    episode.sampled += [False] * len(ids)
+    episode.logprobs += [0.0] * len(ids)
+    episode.messages += [dict(m) for m in reply.messages]
+
+
+def run_episodes(
+    prompts: Sequence[Prompt],
+    sampler: TurnSampler,
+    environment: Environment,
+    tokenizer,
+    rules: EpisodeRules,
+) -> list[list[Episode]]:
+    """Every episode of `prompts` (group_size each) run to its end, in batched turns."""
+    episodes = [
+        [
+            Episode(
+                prompt=p,
+                slot=slot,
+                index=i,
+                token_ids=list(p.token_ids),
+                sampled=[False] * len(p.token_ids),
+                logprobs=[0.0] * len(p.token_ids),
+                messages=[dict(m) for m in p.messages],
+            )
+            for i in range(rules.group_size)
+        ]
+        for slot, p in enumerate(prompts)
+    ]
+    groups = sampler.first([p.token_ids for p in prompts], rules.group_size, rules.max_new_tokens)
+    for group, completions in zip(episodes, groups):
+        for episode, completion in zip(group, completions):
+            advance_(episode, completion, environment, tokenizer, rules)
+    turn = 1
+    while running := [e for group in episodes for e in group if e.running]:
+        turn += 1
+        limits = [
+            min(rules.max_new_tokens, rules.max_episode_tokens - len(e.token_ids)) for e in running
+        ]
+        completions = sampler.next(
+            [e.token_ids for e in running], limits, [(e.slot, e.index, turn) for e in running]
+        )
+        for episode, completion in zip(running, completions):
+            advance_(episode, completion, environment, tokenizer, rules)
+    return episodes
+
+
+def score_episode(episode: Episode, environment: Environment, rules: EpisodeRules) -> Scored:
+    """The episode's reward from the environment; ValueError naming it and the prompt."""
+    where = episode.where(rules)
+    try:
+        value = environment.score(episode.prompt.record, list(episode.messages))
+    except Exception as e:
+        raise ValueError(f"{rules.name} failed on {where}: {e}") from e
+    weights = getattr(environment, "reward_weights", None) or {}
+    return weighted_reward(value, weights, rules.name, where)
+
+
+def scored_samples(
+    episodes: Sequence[Sequence[Episode]],
+    environment: Environment,
+    rules: EpisodeRules,
+    policy_step: Optional[int] = None,
+) -> tuple[list[RolloutSample], int]:
+    """Each group's episodes scored and given their group's advantages, as samples in prompt
+    order, and how many truncated episodes rollout.on_truncated = "drop" left out."""
+    samples: list[RolloutSample] = []
+    dropped = 0
+    for group in episodes:
+        kept = [e for e in group if not (e.truncated and rules.on_truncated == "drop")]
+        dropped += len(group) - len(kept)
+        if not kept:
+            continue
+        scores = [
+            Scored(0.0)
+            if e.truncated and rules.on_truncated == "zero"
+            else score_episode(e, environment, rules)
+            for e in kept
+        ]
+        rewards = [s.reward for s in scores]
+        where = kept[0].where(rules)
+        if keep_group(rewards, rules.on_bad_reward, where, rules.name.partition(" ")[2].strip("'")):
+            advantages = group_advantages([rewards], std_normalize=rules.std_normalize)[0].tolist()
+        else:
+            advantages = [0.0] * len(rewards)
+        samples += [
+            RolloutSample(
+                token_ids=tuple(e.token_ids),
+                sampled=tuple(e.sampled),
+                logprobs=tuple(e.logprobs),
+                reward=s.reward,
+                advantage=advantage,
+                turns=e.turns,
+                tool_calls=e.tool_calls,
+                tool_errors=e.tool_errors,
+                truncated=e.truncated,
+                policy_step=policy_step,
+                named_rewards=s.named,
+            )
+            for e, s, advantage in zip(kept, scores, advantages)
+        ]
+    return samples, dropped

@@ -1,0 +1,97 @@
+"""The environment protocol: what an RL episode's conversation rules and reward look like to the
+engines. Pure.
+
+An environment is any object with three methods (the engine owns batching, sampling and tokens;
+the environment owns the conversation and the reward):
+
+    start(record) -> Start
+        The first messages of the episode of a prompt record (a JSONL line of rollout.prompts),
+        and the tools, as JSON schemas, the chat template renders (None: no tools).
+    respond(record, messages) -> Reply | None
+        Called after every model turn with the conversation so far (the first messages, each
+        model turn as {"role": "assistant", "content": text}, each earlier reply's messages):
+        the messages that answer the turn (tool results, feedback), or None to end the episode.
+    score(record, messages) -> float | {name: float}
+        The episode's reward; named rewards are summed with the environment's `reward_weights`
+        (a name it lacks weighs 1.0) and logged each as reward/{name}/mean.
+
+and two optional attributes: `reward_weights` (a mapping, default {}) and
+`keep_special_tokens` (default False: a model turn's text is decoded without special tokens,
+as rewards have always seen it; True keeps them and drops only the turn's final stop token, for
+a tool-call format whose markers are special tokens).
+
+Environments must be deterministic functions of their arguments: a resumed run replays the
+episodes of a step exactly only when the same turns get the same replies.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Union
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Start:
+    """How an episode starts: its first messages and the tools the template is given."""
+
+    messages: tuple[Message, ...]
+    tools: Optional[tuple[Mapping[str, Any], ...]] = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The environment's answer to a model turn."""
+
+    messages: tuple[Message, ...]
+    """The new messages (role "tool" or "user"), rendered after the model's turn."""
+    tool_calls: int = 0
+    """Tool calls the turn made that were run."""
+    tool_errors: int = 0
+    """Of those, the ones that failed (a raising tool, a malformed call, an unknown name)."""
+
+
+class Environment(Protocol):
+    def start(self, record: Mapping[str, Any]) -> Start: ...
+
+    def respond(
+        self, record: Mapping[str, Any], messages: Sequence[Message]
+    ) -> Optional[Reply]: ...
+
+    def score(
+        self, record: Mapping[str, Any], messages: Sequence[Message]
+    ) -> Union[float, Mapping[str, float]]: ...
+
+
+@dataclass(frozen=True)
+class Scored:
+    """An episode's reward: the weighted sum, and the named parts it came from (if any)."""
+
+    reward: float
+    named: tuple[tuple[str, float], ...] = field(default_factory=tuple)
+
+
+def weighted_reward(value: Any, weights: Mapping[str, float], who: str, where: str) -> Scored:
+    """`score`'s result as a Scored; ValueError naming `who` and `where` when it is neither a
+    real number nor a mapping of names to real numbers. NaN/inf pass (rollout.on_bad_reward)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return Scored(float(value))
+    if isinstance(value, Mapping) and value:
+        named = []
+        for name, part in value.items():
+            if not isinstance(name, str) or isinstance(part, bool):
+                break
+            if not isinstance(part, numbers.Real):
+                break
+            named.append((name, float(part)))
+        else:
+            total = math.fsum(weights.get(name, 1.0) * part for name, part in named)
+            return Scored(total, tuple(named))
+    raise ValueError(
+        f"{who} returned {value!r} on {where}; expected a float or a non-empty mapping of "
+        "names to floats"
+    )
