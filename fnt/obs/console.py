@@ -114,8 +114,9 @@ def format_duration(seconds: float) -> str:
 
 
 def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
-    """`step 3/5 | loss 2.1000 | reward 0.512 | grad 0.83 | lr 1.00e-03 | val/loss 2.3000 |
-    512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has it. Pure."""
+    """`step 3/5 | loss 2.1000 | reward 0.512 | turns 2.25 | grad 0.83 | lr 1.00e-03 |
+    val/loss 2.3000 | 512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has
+    it. Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
     for key, label, spec in CONSOLE_FIELDS:
@@ -147,6 +148,7 @@ def _number(value: float, spec: str) -> str:
 CONSOLE_FIELDS = (
     ("loss/mean", "loss", ".4f"),
     ("reward/mean", "reward", ".3f"),
+    ("rollout/turns/mean", "turns", ".2f"),
     ("optim/grad_norm", "grad", ".3g"),
     ("optim/lr", "lr", ".2e"),
     ("val/loss", "val/loss", ".4f"),

@@ -79,3 +79,34 @@ def test_lora_rl_with_reference_kl_generates_from_the_adapters_and_resumes_exact
     copy_crashed_run(full, resumed, 2)
     run_cli("rl", *rl_args(tiny_model_dir, resumed, "--resume", "latest", *extra))
     assert_resumed_run_matches(full, resumed, 2, 4, (*EXACT, "ref_kl/mean"), tmp_path)
+
+
+MULTI_TURN = (
+    "--rollout.environment",
+    "tests.fnt.rollout.multi_turn_env:feedback",
+    "--rollout.max-turns",
+    "3",
+    "--batch-size",
+    "8",  # a row per episode: episodes are up to seq_len long
+    "--runtime.num-threads",
+    "1",
+)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("async_level", [0, 1])
+def test_a_multi_turn_run_resumes_exactly(policy_dir, tmp_path, async_level):
+    """The feedback environment (hints and retries) with the in-process engine and the policy
+    that stops (tests/conftest.py): episodes of several turns, and k steps + crash + resume == N steps, also with async_level = 1."""
+    extra = (*MULTI_TURN, "--rollout.async-level", str(async_level))
+    full = tmp_path / "full"
+    run_cli("rl", *rl_args(policy_dir, full, "--ckpt.interval", "2", *extra))
+    rows = read_metrics(full)
+    assert any(r["rollout/turns/mean"] > 1 for r in rows)
+    assert all(r["rollout/context_tokens"] > 0 for r in rows)
+    assert all("reward/final/mean" in r and "reward/first/mean" in r for r in rows)
+    resumed = tmp_path / "resumed"
+    copy_crashed_run(full, resumed, 2)
+    run_cli("rl", *rl_args(policy_dir, resumed, "--resume", "latest", *extra))
+    keys = (*EXACT, "rollout/turns/mean", "rollout/sampled_tokens", "reward/final/mean")
+    assert_resumed_run_matches(full, resumed, 2, 4, keys, tmp_path)

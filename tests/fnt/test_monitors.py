@@ -223,6 +223,12 @@ def test_console_line_shows_reward_grad_norm_and_validation_when_the_row_has_the
     ]
 
 
+def test_an_rl_console_line_shows_the_mean_turns_of_the_episodes():
+    row = {"step": 2, "loss/mean": 0.1, "reward/mean": 0.5, "rollout/turns/mean": 2.25}
+    parts = console_line(row, max_steps=4, elapsed=1.0, steps_done=2).split(" | ")
+    assert parts[:4] == ["step 2/4", "loss 0.1000", "reward 0.500", "turns 2.25"]
+
+
 def test_console_line_non_finite_loss_and_missing_fields():
     line = console_line(
         {"step": 1, "loss/mean": float("nan")}, max_steps=2, elapsed=0.0, steps_done=0
