@@ -97,7 +97,8 @@ MULTI_TURN = (
 @pytest.mark.parametrize("async_level", [0, 1])
 def test_a_multi_turn_run_resumes_exactly(policy_dir, tmp_path, async_level):
     """The feedback environment (hints and retries) with the in-process engine and the policy
-    that stops (tests/conftest.py): episodes of several turns, and k steps + crash + resume == N steps, also with async_level = 1."""
+    that stops (tests/conftest.py): episodes of several turns, and k steps + crash + resume ==
+    N steps, also with async_level = 1."""
     extra = (*MULTI_TURN, "--rollout.async-level", str(async_level))
     full = tmp_path / "full"
     run_cli("rl", *rl_args(policy_dir, full, "--ckpt.interval", "2", *extra))
