@@ -3,7 +3,7 @@
 The public API is importable from here (`from fnt import init_state, fold, run`); each name is
 loaded on first use, so that `import fnt.config` (used to reject a bad command line within a
 second) stays light. The step functions live in the `steps` package
-(`from steps import sft_step, rl_step`); fnt never imports it.
+(`from steps import sft_step, rl_step, dpo_step`); fnt never imports it.
 """
 
 from importlib import import_module
@@ -12,6 +12,8 @@ _EXPORTS = {
     # Configuration
     "Config": "fnt.config",
     "RLConfig": "fnt.config",
+    "DPOConfig": "fnt.config",
+    "PreferenceConfig": "fnt.config",
     "LoraConfig": "fnt.config",
     "ModelConfig": "fnt.config",
     "DataConfig": "fnt.config",
@@ -33,6 +35,7 @@ _EXPORTS = {
     "run": "fnt.loop",
     "sft_source": "fnt.sources",
     "rl_source": "fnt.sources",
+    "pair_source": "fnt.sources",
     "to_floats": "fnt.obs.metrics",
     "Evaluation": "fnt.rows",
     # The research kit: what a step function of your own is made of
@@ -43,6 +46,9 @@ _EXPORTS = {
     "RLBatch": "fnt.batch",
     "PackedRows": "fnt.batch",
     "RLMicroBatch": "fnt.batch",
+    "PairBatch": "fnt.batch",
+    "PairMicroBatch": "fnt.batch",
+    "PairLogps": "fnt.preference",
     # The process, the optimizer, the schedule, the profiler
     "setup_trainer": "fnt.dist.runtime",
     "teardown_trainer": "fnt.dist.runtime",

@@ -5,7 +5,7 @@ The second form is the one torchrun launches: `torchrun --nproc-per-node 2 -m fn
 Design rule: the fnt library never imports the `steps` package, where the step functions live,
 because steps are handed to the driver (`run(config, step, source)`), not built into it. This
 module is the command-line application, run only as a program and never imported by the
-library, and it is the one place that imports steps: lazily, inside the sft and rl commands, so
+library, and it is the one place that imports steps: lazily, inside the training commands, so
 that `fnt --help`, a bad command line and the other commands need neither steps nor torch.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from fnt.apps.cli import exit_on_bad_input, parse_config
 from fnt.apps.preflight import check_inputs
-from fnt.config import Config, RLConfig
+from fnt.config import Config, DPOConfig, RLConfig
 from fnt.config.schema import DTYPE_NAMES
 from fnt.store.rundir import rank0_run_lock
 
@@ -29,6 +29,7 @@ usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
 commands:
   sft              supervised fine-tuning: fnt sft --config FILE.toml [--key=value]...
   rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
+  dpo              preference optimization on pairs: fnt dpo --config FILE.toml [--key=value]...
   vllm-serve       start the vLLM server of an RL run: fnt vllm-serve --config FILE.toml
   export           write a checkpoint as a Hugging Face model directory
   make-tiny-model  write a tiny Hugging Face model for tests and demos
@@ -36,7 +37,7 @@ commands:
   inspect          summarize a run directory: fnt inspect RUN [--json] [--diff OTHER_RUN]
   plot             plot runs' metrics as one PNG: fnt plot RUN [RUN...] [--out FILE.png]
 
-`fnt sft --help` and `fnt rl --help` list the config keys; the other commands take --help too.
+`fnt sft --help` (and rl, dpo) lists the config keys; the other commands take --help too.
 `fnt --version` prints the version.
 Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
 
@@ -69,6 +70,14 @@ def train_rl(config: RLConfig) -> None:
     run(config, rl_step, rl_source, on_state=policy_publisher(config))
 
 
+def train_dpo(config: DPOConfig) -> None:
+    from fnt.loop import run
+    from fnt.sources import pair_source
+    from steps import dpo_step
+
+    run(config, dpo_step, pair_source)
+
+
 def train(argv: list[str], cls: type, train_config) -> None:
     """Parse and validate the command line, take the output_dir's lock (rank 0; torch-free, so
     a second run on a busy directory is refused within a second), check the inputs, train."""
@@ -88,6 +97,12 @@ def rl(argv: list[str]) -> None:
     vLLM servers (`--rollout.engine vllm`) or, with `--rollout.engine external`, from an
     orchestrator writing {output_dir}/rollouts/."""
     train(argv, RLConfig, train_rl)
+
+
+def dpo(argv: list[str]) -> None:
+    """`fnt dpo --config FILE.toml [--key=value]...`: preference optimization on the pairs of
+    data.sources (steps.dpo_step); a bad config exits 2 before any model."""
+    train(argv, DPOConfig, train_dpo)
 
 
 def export(argv: list[str]) -> None:
@@ -157,6 +172,7 @@ def plot(argv: list[str]) -> None:
 COMMANDS = {
     "sft": sft,
     "rl": rl,
+    "dpo": dpo,
     "vllm-serve": vllm_serve,
     "export": export,
     "make-tiny-model": make_tiny_model,

@@ -150,6 +150,61 @@ class RLBatch:
             mb.check()
 
 
+@dataclass(frozen=True)
+class PairMicroBatch:
+    """One micro-batch of preference pairs: both sides of each pair packed into the same row as
+    two documents (chosen, then rejected), so one forward computes both."""
+
+    rows: PackedRows  # loss_mask: True on the response tokens of both sides
+    # [B, T] int64: 2p on the chosen side of the micro-batch's pair p, 2p + 1 on its rejected
+    # side, -1 on padding
+    sequence_ids: Tensor
+    num_pairs: int
+    # [P, 2] float32, the reference policy's summed logprob of each side's response tokens
+    # (chosen, rejected), or None (computed by the step when the loss needs it)
+    ref_logps: Optional[Tensor] = None
+
+    def check(self) -> None:
+        self.rows.check()
+        shape = self.rows.input_ids.shape
+        if self.sequence_ids.shape != shape or self.sequence_ids.dtype != torch.int64:
+            raise ValueError(
+                f"sequence_ids must be int64 of shape {tuple(shape)}, got "
+                f"{self.sequence_ids.dtype} {tuple(self.sequence_ids.shape)}"
+            )
+        targets = self.sequence_ids[self.rows.loss_mask]
+        if bool((targets < 0).any()) or bool((targets >= 2 * self.num_pairs).any()):
+            raise ValueError(f"a loss token lies outside the {self.num_pairs} pairs' sequences")
+        sides = torch.bincount(targets, minlength=2 * self.num_pairs)
+        if bool((sides == 0).any()):
+            empty = int((sides == 0).nonzero()[0])
+            side = ("chosen", "rejected")[empty % 2]
+            raise ValueError(f"pair {empty // 2}: its {side} side has no loss token")
+        if self.ref_logps is not None and tuple(self.ref_logps.shape) != (self.num_pairs, 2):
+            raise ValueError(
+                f"ref_logps has shape {tuple(self.ref_logps.shape)}, expected ({self.num_pairs}, 2)"
+            )
+
+
+@dataclass(frozen=True)
+class PairBatch:
+    """This rank's share of one preference-optimization step."""
+
+    micro_batches: tuple[PairMicroBatch, ...]
+    num_samples: int
+    """Pairs in this rank's share (a pair is one sample: the loss is a mean over pairs)."""
+    data_after: DataPosition
+    """The data position after this step, the same on every rank."""
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    """Data-side metrics of this step, logged in the step's row."""
+
+    def check(self) -> None:
+        if not self.micro_batches:
+            raise ValueError("a PairBatch needs at least one micro-batch")
+        for mb in self.micro_batches:
+            mb.check()
+
+
 def to_device(obj, device: torch.device):
     """A copy of a batch dataclass with every tensor field (nested too) moved to `device`."""
     changes = {}

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
-from fnt.config import Config, LoraConfig, RLConfig, engine_of
+from fnt.config import Config, DPOConfig, LoraConfig, RLConfig, engine_of
 from fnt.config.references import import_function
 from fnt.dist.runtime import Runtime
 from fnt.model.loading import load_model
@@ -50,6 +50,20 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
         from fnt.data.synthetic import SyntheticData
 
         return {"data": SyntheticData(seed=config.seed, seq_len=config.seq_len, **layout)}
+    if isinstance(config, DPOConfig):
+        from fnt.data.pairs import load_pair_data
+        from fnt.model.tokenizer import load_tokenizer
+
+        pairs = load_pair_data(
+            config.data,
+            load_tokenizer(config.model.name),
+            seed=config.seed,
+            seq_len=config.seq_len,
+            progress=announce,
+            cache=data_cache(config, runtime),
+            **layout,
+        )
+        return {"data": pairs}
     if config.data.kind == "sources":
         from fnt.data.sft import load_source_data
         from fnt.model.tokenizer import load_tokenizer
@@ -97,7 +111,8 @@ def data_cache(config: Config, runtime: Runtime):
 
 def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
     """The frozen reference policy of an RL run whose loss needs one (loss.ref_kl_tau > 0 with
-    loss.ref_source = "model"), else None.
+    loss.ref_source = "model"), or of a DPO run whose loss reads reference logprobs that were
+    not precomputed (`dpo_reference`), else None.
 
     With LoRA (model.lora.rank > 0) and loss.ref_model empty, it is `policy` itself: the base
     model is the reference, and steps.rl computes it with the adapters switched off
@@ -107,18 +122,64 @@ def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
     gradient, it is in no optimizer, and checkpoints do not hold it, so a resumed run rebuilds
     it from its directory, as an uninterrupted one has it.
     """
+    if isinstance(config, DPOConfig):
+        from fnt.preference import needs_reference
+
+        if not needs_reference(config.dpo) or config.dpo.precompute_reference:
+            return None
+        return frozen_reference(config, runtime, policy, config.dpo.ref_model)
     if not isinstance(config, RLConfig):
         return None
     loss = config.loss
     if not loss.ref_kl_tau or loss.ref_source != "model":
         return None
-    if config.model.lora.rank and not loss.ref_model:
+    return frozen_reference(config, runtime, policy, loss.ref_model)
+
+
+def frozen_reference(config: Config, runtime: Runtime, policy: Any, ref_model: str) -> Any:
+    """The reference policy in directory `ref_model` (empty: model.name): `policy` itself with
+    LoRA and no ref_model (its base is the reference), else loaded and sharded like the policy
+    and frozen (no gradients, no optimizer)."""
+    if config.model.lora.rank and not ref_model:
         return policy
     ref_config = dataclasses.replace(
-        config.model, name=loss.ref_model or config.model.name, ac=False, lora=LoraConfig()
+        config.model, name=ref_model or config.model.name, ac=False, lora=LoraConfig()
     )
     model = load_model(ref_config, runtime, runtime.offload)
     return model.eval().requires_grad_(False)
+
+
+def precomputed_references(
+    config: Config, runtime: Runtime, policy: Any, handles: dict[str, Any], announce: bool
+) -> dict[str, Any]:
+    """`handles` with the pair data's and the val pairs' reference tables filled in, for a DPO
+    run with dpo.precompute_reference and a loss that reads them (else as they are).
+
+    Called before any checkpoint is loaded, so `policy` is still model.name's weights: with
+    LoRA its base (adapters off) and without it the policy itself are the reference, and no
+    second model is loaded unless dpo.ref_model names another directory (loaded, used and
+    dropped). The tables come from the data cache when it holds them
+    (fnt.evaluation.reference_table)."""
+    if not isinstance(config, DPOConfig) or not config.dpo.precompute_reference:
+        return handles
+    from fnt.evaluation import reference_table
+    from fnt.preference import needs_reference
+
+    if not needs_reference(config.dpo):
+        return handles
+    ref_dir = config.dpo.ref_model
+    ref = policy
+    if ref_dir and ref_dir != config.model.name:
+        ref = frozen_reference(config, runtime, policy, ref_dir)
+    say(announce, "precomputing the reference logprobs of the pairs")
+    cache_dir = data_cache(config, runtime).directory
+    out = dict(handles)
+    for name in ("data", "val"):
+        data = handles.get(name)
+        if data is not None:
+            table = reference_table(ref, data.corpus, config, runtime, cache_dir, data.pad_token_id)
+            out[name] = dataclasses.replace(data, reference=table)
+    return out
 
 
 def init_state(config: Config, runtime: Runtime, announce: bool = False) -> TrainState:
@@ -137,9 +198,8 @@ def init_state(config: Config, runtime: Runtime, announce: bool = False) -> Trai
     say(announce, f"building the optimizer ({config.optim.name})")
     optimizer = setup_optimizer(config.optim, model, runtime.dims, config.model)
     ref_model = reference_model(config, runtime, model)
-    handles = Handles(
-        model, optimizer, runtime, StepCursor(0), val=val, ref_model=ref_model, **sources
-    )
+    sources = precomputed_references(config, runtime, model, {**sources, "val": val}, announce)
+    handles = Handles(model, optimizer, runtime, StepCursor(0), ref_model=ref_model, **sources)
     return TrainState(config, Progress(), handles)
 
 

@@ -78,8 +78,8 @@ POLICY_MEANINGS: dict[Policy, str] = {
     LAUNCH: "not compared: the key says how this launch starts",
 }
 
-# Every key of the schema (RLConfig, which includes Config's), decided one by one; a test fails
-# when a key is added to the schema without a line here.
+# Every key of the schema (RLConfig, which includes Config's, and DPOConfig's dpo section),
+# decided one by one; a test fails when a key is added to the schema without a line here.
 RESUME_POLICY: dict[str, Policy] = {
     "output_dir": MAY_CHANGE,  # a run directory that was moved or copied
     "seed": FIXED,  # data order, synthetic data and RL sampling seeds derive from it
@@ -191,6 +191,13 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.vllm.weight_transfer": MAY_CHANGE,  # how the policy reaches the servers
     "rollout.vllm.nccl_address": MAY_CHANGE,
     "rollout.vllm.nccl_port": MAY_CHANGE,
+    "dpo.loss": MAY_CHANGE,  # as loss.kind: the loss shapes the updates to come
+    "dpo.beta": MAY_CHANGE,
+    "dpo.label_smoothing": MAY_CHANGE,
+    "dpo.simpo_gamma": MAY_CHANGE,
+    "dpo.custom": MAY_CHANGE,
+    "dpo.ref_model": MAY_CHANGE,  # as loss.ref_model: rebuilt (or recomputed) at every start
+    "dpo.precompute_reference": MAY_CHANGE,  # the same reference, computed before or during
 }
 
 

@@ -1,7 +1,7 @@
 """Batch sources: `source(state) -> batch` for update state.progress.step + 1 (a `BatchSource`;
 not to be confused with a data source, one of data.sources). Side effects: `rl_source` generates
-or waits for rollouts (through the handle in `state.handles.rollouts`); `sft_source` is pure
-given the state (its corpus was read once, into `state.handles.data`).
+or waits for rollouts (through the handle in `state.handles.rollouts`); `sft_source` and
+`pair_source` are pure given the state (their corpus was read once, into `state.handles.data`).
 
 A source is called once per step by `fold` with the current state and reads only that state, so
 it cannot run ahead of the fold: the batch for step N + 1 needs the state after step N. Calling a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from fnt.batch import RLBatch, SftBatch
+from fnt.batch import PairBatch, RLBatch, SftBatch
 from fnt.state import TrainState
 
 BatchSource = Callable[[TrainState], Any]
@@ -28,6 +28,18 @@ def sft_source(state: TrainState) -> SftBatch:
     if state.handles.data is None:
         raise ValueError("the state holds no SFT data: build it from a Config with init_state")
     return state.handles.data.batch(state.progress)
+
+
+def pair_source(state: TrainState) -> PairBatch:
+    """This rank's batch of preference pairs for update state.progress.step + 1 (a DPO run's
+    data.sources), from the state's data handle."""
+    state.check_current()
+    if state.handles.data is None:
+        raise ValueError("the state holds no pairs: build it from a DPOConfig with init_state")
+    batch = state.handles.data.batch(state.progress)
+    if not isinstance(batch, PairBatch):
+        raise ValueError("the state's data are not pairs: build it from a DPOConfig")
+    return batch
 
 
 def rl_source(state: TrainState) -> RLBatch:

@@ -29,7 +29,12 @@ CORE = (
     "checkpoints and resume"
 )
 # Public names outside `fnt.__all__`: the step functions and the native optimizer.
-EXTRA_API = (("steps", "sft_step"), ("steps", "rl_step"), ("fnt.optim", "CPUAdamW"))
+EXTRA_API = (
+    ("steps", "sft_step"),
+    ("steps", "rl_step"),
+    ("steps", "dpo_step"),
+    ("fnt.optim", "CPUAdamW"),
+)
 
 
 def summary(obj) -> str:
@@ -114,7 +119,10 @@ def markdown_resume_policy() -> str:
 
 
 def with_tables(text: str) -> str:
-    note = "Keys of the `loss` and `rollout` sections apply to `fnt rl` only.\n\n"
+    note = (
+        "Keys of the `loss` and `rollout` sections apply to `fnt rl` only, those of the `dpo` "
+        "section to `fnt dpo` only.\n\n"
+    )
     text = KEYS_BLOCK.sub(lambda m: m.group(1) + note + markdown_keys() + "\n" + m.group(2), text)
     text = RESUME_BLOCK.sub(
         lambda m: m.group(1) + markdown_resume_policy() + "\n" + m.group(2), text

@@ -14,7 +14,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fnt.config import CliArgs, Config, RLConfig, help_text, load_config, to_json, validate
+from fnt.config import (
+    CliArgs,
+    Config,
+    DPOConfig,
+    RLConfig,
+    help_text,
+    load_config,
+    to_json,
+    validate,
+)
 from fnt.errors import CheckpointError, ConfigError, DataError, ServerError
 
 EXIT_BAD_INPUT = 2
@@ -88,7 +97,11 @@ def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
 
 def help_header(cls: type) -> str:
     """The usage lines above the key list of `fnt sft --help` / `fnt rl --help`. Pure."""
-    command = "fnt rl" if issubclass(cls, RLConfig) else "fnt sft"
+    command = "fnt sft"
+    if issubclass(cls, RLConfig):
+        command = "fnt rl"
+    elif issubclass(cls, DPOConfig):
+        command = "fnt dpo"
     return f"""\
 usage: {command} [--config FILE.toml] [--KEY VALUE | --KEY=VALUE]... [--print-config] [--help]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from fnt.config import Config, RLConfig, engine_of
+from fnt.config import Config, DPOConfig, RLConfig, engine_of
 from fnt.config.schema import source_kind
 from fnt.errors import ConfigError, DataError
 from fnt.resume import resolve_resume_step
@@ -51,7 +51,12 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     for (key, source), kind in zip(sources, kinds):
         if kind in ("parquet", "arrow", "directory"):
             require_path(source.path, f"{key}.path")
-    if firsts:
+    if firsts and isinstance(config, DPOConfig):
+        from fnt.data.pairs import pair_from_record
+
+        for first, source in firsts:
+            check_record(first, lambda r, s=source: pair_from_record(r, s))
+    elif firsts:
         from fnt.data.chat import conversation_from_record
         from fnt.data.load import chat_record
 

@@ -133,6 +133,10 @@ class DataSourceConfig:
     """Column (JSONL key) of the prompt of prompt/completion samples; empty if none."""
     completion_column: str = "completion"
     """Column (JSONL key) of the completion of prompt/completion samples; empty if none."""
+    chosen_column: str = "chosen"
+    """fnt dpo: column (JSONL key) of a pair's preferred response."""
+    rejected_column: str = "rejected"
+    """fnt dpo: column (JSONL key) of a pair's dispreferred response."""
     weight: float = 1.0
     """Relative share of this source in the mixture."""
     name: str = ""
@@ -420,6 +424,40 @@ class RLConfig(Config):
 
 
 # ---------------------------------------------------------------------------------------------
+# Preference optimization: the section `fnt dpo` adds
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference optimization on pairs (prompt, chosen, rejected): the loss and its reference."""
+
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "custom"] = "sigmoid"
+    """sigmoid (DPO), ipo, simpo, orpo (reference-free), custom (steps/dpo_losses.py)."""
+    beta: float = 0.1
+    """Scale of the log-ratio margin (sigmoid, simpo), 1/(2 beta) IPO's target, ORPO's lambda."""
+    label_smoothing: float = 0.0
+    """sigmoid, simpo: the assumed chance that a pair's label is flipped (conservative DPO)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma, subtracted from beta times the mean-logp margin."""
+    custom: str = ""
+    """loss = "custom": "module:function" computing per-pair losses fn(pairs, config)."""
+    ref_model: str = ""
+    """Directory of the frozen reference policy; empty means model.name (with LoRA: its base)."""
+    precompute_reference: bool = False
+    """Compute the reference logprobs of every pair once, before step 1, into the data cache."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class DPOConfig(Config):
+    """A preference-optimization run: the SFT config's sections plus the preference loss."""
+
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
+    """The preference loss and its reference policy."""
+
+
+# ---------------------------------------------------------------------------------------------
 # Introspection
 
 
@@ -495,13 +533,19 @@ def help_text(cls: type = Config) -> str:
     return "\n".join(lines)
 
 
-def markdown_keys(cls: type = RLConfig) -> str:
-    """A Markdown table of every key of `cls` (type, default, description), for the README."""
-    defaults = flatten(to_plain(cls()))
+def markdown_keys(*classes: type) -> str:
+    """A Markdown table of every key of `classes` (type, default, description), each key once,
+    in order of the classes (default: RLConfig, then DPOConfig's own), for the README."""
     lines = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-    for key, (tp, doc) in all_keys(cls).items():
-        kind = type_name(tp).replace("|", "\\|")
-        lines.append(f"| `{key}` | {kind} | `{json.dumps(defaults.get(key))}` | {doc} |")
+    seen: set[str] = set()
+    for cls in classes or (RLConfig, DPOConfig):
+        defaults = flatten(to_plain(cls()))
+        for key, (tp, doc) in all_keys(cls).items():
+            if key in seen:
+                continue
+            seen.add(key)
+            kind = type_name(tp).replace("|", "\\|")
+            lines.append(f"| `{key}` | {kind} | `{json.dumps(defaults.get(key))}` | {doc} |")
     return "\n".join(lines)
 
 

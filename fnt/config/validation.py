@@ -16,6 +16,7 @@ from fnt.config.schema import (
     CHAT_ROLES,
     Config,
     DataSourceConfig,
+    DPOConfig,
     RLConfig,
     RolloutConfig,
     repeated_source_names,
@@ -112,6 +113,8 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             validate_rollout(config.rollout, dp_size=dp)
         if engine.check is not None:
             engine.check(config.rollout)
+    if isinstance(config, DPOConfig):
+        validate_preference(config)
 
 
 def validate_lora(config: Config) -> None:
@@ -182,6 +185,62 @@ def validate_loss(config: RLConfig) -> None:
         f"only the {' or '.join(n for n, e in ENGINES.items() if e.ref_logprobs)} engine's "
         f'samples carry ref_logprobs; use "model" with the {config.rollout.engine} engine',
     )
+
+
+def validate_preference(config: DPOConfig) -> None:
+    """ConfigError unless a DPO run's data and dpo section can run; resolves dpo.custom
+    (imports its module)."""
+    dpo, data = config.dpo, config.data
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'{key}' = {_get(config, key)!r}: {message}")
+
+    require(data.kind == "sources", "data.kind", 'fnt dpo trains on pairs: use "sources"')
+    require(
+        tuple(data.loss_mask) == ("assistant",),
+        "data.loss_mask",
+        'fnt dpo trains each pair\'s response turn only; leave it at ["assistant"]',
+    )
+    require(
+        data.train_turns == "all",
+        "data.train_turns",
+        'fnt dpo trains each pair\'s response turn only; leave it at "all"',
+    )
+    require(math.isfinite(dpo.beta) and dpo.beta > 0, "dpo.beta", "must be a finite number > 0")
+    require(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
+    require(
+        dpo.label_smoothing == 0 or dpo.loss in ("sigmoid", "simpo"),
+        "dpo.label_smoothing",
+        f'applies to dpo.loss = "sigmoid" or "simpo", not {dpo.loss!r}',
+    )
+    require(math.isfinite(dpo.simpo_gamma), "dpo.simpo_gamma", "must be a finite number")
+    reference_free = dpo.loss in ("simpo", "orpo")
+    require(
+        not (reference_free and dpo.ref_model),
+        "dpo.ref_model",
+        f"dpo.loss = {dpo.loss!r} is reference-free: it reads no reference model",
+    )
+    require(
+        not (reference_free and dpo.precompute_reference),
+        "dpo.precompute_reference",
+        f"dpo.loss = {dpo.loss!r} is reference-free: there is nothing to precompute",
+    )
+    if dpo.loss == "custom":
+        require(bool(dpo.custom), "dpo.custom", 'dpo.loss = "custom" needs "module:function" here')
+        try:
+            import_function(dpo.custom, 2)
+        except ValueError as e:
+            raise ConfigError(
+                f"'dpo.custom' = {dpo.custom!r}: {e}; expected a loss fn(pairs, config) -> one "
+                "value per pair (see steps/dpo_losses.py)"
+            ) from None
+    else:
+        require(
+            not dpo.custom,
+            "dpo.custom",
+            f'is set but dpo.loss = {dpo.loss!r}: set dpo.loss = "custom"',
+        )
 
 
 def validate_sources(sources: tuple[DataSourceConfig, ...], key: str) -> None:

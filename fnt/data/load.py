@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from fnt.config.schema import (
     COLUMNAR_SUFFIXES,
@@ -175,12 +175,16 @@ def source_samples(
             progress=progress,
         )
 
-    if cache is None:
-        samples = tokenize(0, 1)
-        if samples.error is not None:
-            raise DataError(samples.error[1])
-        return samples
-    settings = {
+    settings = masking_settings(masking, tokenizer, seq_len=seq_len, overlong=overlong)
+    return cached_samples(source, tokenizer, tokenize, settings, cache, progress)
+
+
+def masking_settings(
+    masking: ChatMasking, tokenizer, *, seq_len: int, overlong: str
+) -> dict[str, Any]:
+    """What a source's samples depend on besides its records and the tokenizer (fnt.data.cache's
+    key): the template, the masking, seq_len and the overlong policy. Pure."""
+    return {
         "template": masking.chat_template or tokenizer.chat_template,
         "loss_mask": sorted(masking.roles),
         "turns": masking.turns,
@@ -189,6 +193,24 @@ def source_samples(
         "seq_len": seq_len,
         "overlong": overlong,
     }
+
+
+def cached_samples(
+    source: DataSource,
+    tokenizer,
+    tokenize: Callable[[int, int], SourceSamples],
+    settings: dict[str, Any],
+    cache: DataCache | None,
+    progress: bool,
+) -> SourceSamples:
+    """`tokenize(rank, world_size)` of a source through `cache` (keyed by the source, its
+    contents, the tokenizer and `settings`), or run once here without a cache; DataError for the
+    first bad record."""
+    if cache is None:
+        samples = tokenize(0, 1)
+        if samples.error is not None:
+            raise DataError(samples.error[1])
+        return samples
     key = cache_key(source, source_files(source), tokenizer, settings)
     hit = (cache.directory / f"{key}.pt").is_file()
     samples = cache.load(key, tokenize)
@@ -197,15 +219,26 @@ def source_samples(
     return samples
 
 
-def check_records(source: DataSource, progress: bool) -> None:
+def check_records(
+    source: DataSource,
+    progress: bool,
+    check: Callable[[object], object] | None = None,
+) -> None:
     """Read every record of a source and check its shape, without tokenizing: DataError with
-    the location of the first bad one, or of an empty source."""
+    the location of the first bad one, or of an empty source. `check(record)` raises ValueError
+    for a bad record (default: a chat or prompt/completion record, through the source's
+    columns)."""
+
+    def check_chat(record: object) -> None:
+        conversation_from_record(chat_record(record, source))
+
+    check = check or check_chat
     found = False
     records = with_progress(source_records(source), f"checking {source_label(source)}", progress)
     for location, record in records:
         found = True
         try:
-            conversation_from_record(chat_record(record, source))
+            check(record)
         except ValueError as e:
             raise DataError(f"{location}: {e}") from e
     if not found:
@@ -229,6 +262,26 @@ def tokenize_share(
 ) -> SourceSamples:
     """The fitted samples of every world_size-th record of a source, from record `rank` on; the
     first bad record stops it and is kept as the share's error (with its location)."""
+
+    def fit(record: object) -> FittedRecord:
+        return fit_record(
+            record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
+        )
+
+    return fitted_share(source, fit, rank=rank, world_size=world_size, progress=progress)
+
+
+def fitted_share(
+    source: DataSource,
+    fit: Callable[[object], Any],
+    *,
+    rank: int,
+    world_size: int,
+    progress: bool,
+) -> SourceSamples:
+    """`fit(record)` (a FittedRecord, or anything with its `samples` and `cut_turns`) of every
+    world_size-th record of a source, from record `rank` on; the first record whose fit raises
+    ValueError stops it and is kept as the share's error (with its location)."""
     share = SourceSamples()
     split = f" (every {world_size}th record on each rank)" if world_size > 1 else ""
     label = f"tokenizing {source_label(source)}{split}"
@@ -237,9 +290,7 @@ def tokenize_share(
         if index % world_size != rank:
             continue
         try:
-            fitted = fit_record(
-                record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
-            )
+            fitted = fit(record)
         except ValueError as e:
             share.error = (index, f"{location}: {e}")
             break

@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fnt.run_context",
             "fnt.rows",
             "fnt.evaluation",
+            "fnt.preference",
         ),
     ),
     ("apps", ("fnt.apps", "fnt.__main__")),
@@ -140,7 +141,8 @@ def test_only_the_composition_root_imports_plugins():
     offending = [
         f"{module}:{line} imports {target}"
         for module, imports in import_graph().items()
-        if layer_of(module) == core and module != COMPOSITION_ROOT
+        if layer_of(module) == core
+        and module != COMPOSITION_ROOT
         and not any(within(module, p) for p in PLUGINS)
         for target, line, _ in imports
         if any(within(target, p) for p in PLUGINS)

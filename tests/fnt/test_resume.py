@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.config import DataSourceConfig, RLConfig, all_keys, load_config, to_plain
+from fnt.config import DataSourceConfig, DPOConfig, RLConfig, all_keys, load_config, to_plain
 from fnt.obs.monitors.jsonl import repair_metrics_
 from fnt.resume import (
     FIXED,
@@ -225,7 +225,7 @@ def test_step_of_rejects_names_the_saver_never_writes(name):
 
 def test_every_schema_key_has_a_resume_policy():
     """A key added to the schema without a decision here must fail, not default silently."""
-    schema = set(all_keys(RLConfig))
+    schema = set(all_keys(RLConfig)) | set(all_keys(DPOConfig))
     assert schema - set(RESUME_POLICY) == set(), "add these keys to fnt.resume.RESUME_POLICY"
     assert set(RESUME_POLICY) - schema == set(), "these keys are no longer in the schema"
     assert set(RESUME_POLICY.values()) <= set(POLICY_MEANINGS)

@@ -260,5 +260,3 @@ class AsyncRollouts:
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.jobs.clear()
-
-

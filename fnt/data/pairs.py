@@ -1,0 +1,461 @@
+"""Preference pairs: records of (prompt, chosen, rejected) to packed, rank-sharded pair batches.
+Side effects: `load_pair_corpus` and `load_pair_data` read and tokenize the sources (through the
+cache of tokenized sources, fnt.data.cache); the rest is pure.
+
+Record formats (the keys are the source's columns: prompt_column, messages_column,
+chosen_column, rejected_column):
+- text: `{"prompt": "...", "chosen": "...", "rejected": "..."}`, rendered as the chats
+  `[user: prompt, assistant: chosen]` and `[user: prompt, assistant: rejected]`;
+- chat: the prompt as messages, `{"prompt": [...]}` (TRL's conversational format) or
+  `{"messages": [...]}`, and each response a string, one assistant message, or a list holding
+  one assistant message;
+- implicit prompt: `{"chosen": [...], "rejected": [...]}`, two whole chats that share their
+  messages up to a final assistant message each; the shared messages are the prompt.
+
+Each side goes through SFT's chat rendering and masks (fnt.data.chat) with only its final
+assistant turn trained: the response tokens, through the stop token, are the loss tokens, the
+prompt is context. A pair is one unit of the data order and of packing: its two sides are
+consecutive samples of a Corpus (2p the chosen side of pair p, 2p + 1 the rejected one) and
+are packed into the same row, as two documents that cannot attend to each other, so one
+forward computes both.
+
+A pair must fit one row: with more than seq_len tokens in all it follows data.overlong
+("auto": a chat pair is dropped, a text pair truncated). Truncation keeps the shorter side
+whole when it fits in half a row, else cuts both to half a row; a pair left with a side without
+a loss token is dropped. Dropped pairs keep their ids (so the data order does not depend on
+seq_len) and are counted as data/dropped_overlong or data/dropped_no_loss when a step meets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping, Optional, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from fnt.batch import PackedRows, PairBatch, PairMicroBatch
+from fnt.config.schema import repeated_source_names, source_name
+from fnt.data.cache import DataCache, SourceSamples
+from fnt.data.chat import ChatMasking, chat_masking, conversation_from_record, tokenize_conversation
+from fnt.data.corpus import (
+    OVERLONG_POLICIES,
+    Corpus,
+    SampleFate,
+    fit_to_length,
+    overlong_policy,
+)
+from fnt.data.load import (
+    DataSource,
+    cached_samples,
+    check_records,
+    fitted_share,
+    masking_settings,
+    source_label,
+)
+from fnt.data.order import SampleOrder
+from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
+from fnt.dist.parallel import check_batch_layout, rank_share
+from fnt.errors import DataError
+from fnt.model.tokenizer import pad_token_id
+from fnt.state import Progress, Stateless
+
+Message = Mapping[str, Any]
+SIDES = ("chosen", "rejected")
+PAIRS_FORMAT = "pairs-1"  # in the cache key: a pair source's entry is never read as SFT samples
+
+
+class PairSource(DataSource, Protocol):
+    chosen_column: str
+    rejected_column: str
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference record as chats: the prompt and the two responses."""
+
+    prompt: list[Message]
+    chosen: Message
+    rejected: Message
+    chat: bool
+    """The prompt came as messages (data.overlong = "auto" drops such a pair when too long)."""
+
+
+def _response(value: object, key: str) -> Message:
+    """A response column's value as one assistant message."""
+    if isinstance(value, str):
+        return {"role": "assistant", "content": value}
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError(f"{key!r} must hold one assistant message, got {len(value)} messages")
+        value = value[0]
+    if not isinstance(value, Mapping) or value.get("role") != "assistant":
+        raise ValueError(f"{key!r} must be a string or an assistant message")
+    return dict(value)
+
+
+def pair_from_record(record: object, source: PairSource) -> Pair:
+    """The pair of one record read through the source's columns; ValueError saying what is wrong
+    with a bad record. Pure."""
+    if not isinstance(record, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    chosen_key, rejected_key = source.chosen_column, source.rejected_column
+    if chosen_key not in record or rejected_key not in record:
+        raise ValueError(
+            f"a preference pair needs keys {chosen_key!r} and {rejected_key!r}; got keys "
+            f"{sorted(record)}"
+        )
+    chosen, rejected = record[chosen_key], record[rejected_key]
+    prompt_key, messages_key = source.prompt_column, source.messages_column
+    if prompt_key and prompt_key in record:
+        prompt = record[prompt_key]
+        if isinstance(prompt, str):
+            messages, chat = [{"role": "user", "content": prompt}], False
+        elif isinstance(prompt, list):
+            messages, chat = prompt, True
+        else:
+            raise ValueError(
+                f"{prompt_key!r} must be a string or a list of messages, got "
+                f"{type(prompt).__name__}"
+            )
+    elif messages_key and messages_key in record:
+        messages, chat = record[messages_key], True
+    elif isinstance(chosen, list) and isinstance(rejected, list):
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        messages, chat = chosen[:shared], True
+        chosen, rejected = chosen[shared:], rejected[shared:]
+    else:
+        raise ValueError(
+            f"no prompt: give {prompt_key!r} (a string or messages) or {messages_key!r}, or "
+            f"{chosen_key!r} and {rejected_key!r} as whole chats that share the prompt"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("the prompt must be a non-empty list of messages")
+    if isinstance(messages[-1], Mapping) and messages[-1].get("role") == "assistant":
+        raise ValueError("the prompt must not end with an assistant message: that is a response")
+    sides = [_response(chosen, chosen_key), _response(rejected, rejected_key)]
+    # The SFT record checks (roles, contents, tool calls) of each side's whole chat.
+    checked = [conversation_from_record({"messages": [*messages, side]}) for side in sides]
+    return Pair(checked[0][:-1], checked[0][-1], checked[1][-1], chat)
+
+
+def pair_masking(data_cfg: Any, tokenizer: Any) -> ChatMasking:
+    """SFT's masking settings of `data_cfg`, training only each side's final assistant turn."""
+    return dataclasses.replace(
+        chat_masking(data_cfg, tokenizer), roles=frozenset({"assistant"}), turns="last"
+    )
+
+
+def side_limits(chosen: int, rejected: int, seq_len: int) -> tuple[int, int]:
+    """The most tokens each side keeps when a pair of `chosen` + `rejected` tokens must fit
+    seq_len: the shorter side whole when it fits in half a row, else half a row each. Pure."""
+    if chosen + rejected <= seq_len:
+        return chosen, rejected
+    half = seq_len // 2
+    if min(chosen, rejected) <= half:
+        short = min(chosen, rejected)
+        return (short, seq_len - short) if chosen == short else (seq_len - short, short)
+    return seq_len - half, half
+
+
+def fit_pair(
+    chosen: tuple[Sequence[int], Sequence[bool]],
+    rejected: tuple[Sequence[int], Sequence[bool]],
+    *,
+    seq_len: int,
+    overlong: str,
+) -> list[tuple[list[int], list[bool], SampleFate]]:
+    """Both sides of a pair as they enter the corpus, fitted to share one row of seq_len tokens
+    (`overlong` is the record's policy, "auto" resolved), both with the pair's fate. ValueError
+    for an over-long pair under "error". Pure."""
+    total = len(chosen[0]) + len(rejected[0])
+    if total > seq_len and overlong == "error":
+        raise ValueError(
+            f"the pair has {total} tokens (chosen {len(chosen[0])}, rejected "
+            f"{len(rejected[0])}), more than seq_len={seq_len}, and both sides share one row "
+            "(data.overlong='error'; use 'truncate' or 'drop' to accept such pairs)"
+        )
+    if total > seq_len and overlong == "drop":
+        return [([], [], SampleFate.DROPPED_OVERLONG)] * 2
+    limits = side_limits(len(chosen[0]), len(rejected[0]), seq_len)
+    fitted = [
+        fit_to_length(ids, targets, seq_len=limit, overlong="truncate")
+        for (ids, targets), limit in zip((chosen, rejected), limits)
+    ]
+    fates = [fate for *_, fate in fitted]
+    if any(fate.dropped for fate in fates):
+        lost = SampleFate.DROPPED_OVERLONG in fates
+        return [([], [], SampleFate.DROPPED_OVERLONG if lost else SampleFate.DROPPED_NO_LOSS)] * 2
+    fate = SampleFate.TRUNCATED if total > seq_len else SampleFate.KEPT
+    return [(ids, targets, fate) for ids, targets, _ in fitted]
+
+
+@dataclass(frozen=True)
+class FittedPair:
+    """A pair record as the trainer sees it (fnt.data.load.fitted_share reads these fields)."""
+
+    samples: list[tuple[list[int], list[bool], SampleFate]]  # chosen, then rejected
+    cut_turns: int = 0
+
+
+def fit_pair_record(
+    record: object,
+    source: PairSource,
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+) -> FittedPair:
+    """A record's two sides, tokenized and fitted; ValueError for a bad record."""
+    pair = pair_from_record(record, source)
+    sides = []
+    for response in (pair.chosen, pair.rejected):
+        samples = tokenize_conversation([*pair.prompt, response], tokenizer, masking)
+        if len(samples) != 1:  # one trained turn gives one sample (fnt.data.chat)
+            raise ValueError(f"the template rendered the pair as {len(samples)} samples, not 1")
+        sides.append(samples[0])
+    policy = overlong_policy(overlong, chat=pair.chat)
+    return FittedPair(fit_pair(*sides, seq_len=seq_len, overlong=policy))
+
+
+@dataclass(frozen=True)
+class PairCorpus:
+    """Every pair of every source, tokenized; pair p's sides are samples 2p (chosen) and 2p + 1
+    (rejected) of `sides`. Index with global pair ids; `length`, `tokens`, `fates`,
+    `source_of`, `source_names` and `source_sizes` count pairs, as a Corpus counts samples, so
+    the data order, packing plans and step metrics read either alike."""
+
+    sides: Corpus
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return self.sides.source_names
+
+    @cached_property
+    def source_sizes(self) -> tuple[int, ...]:
+        return tuple(size // 2 for size in self.sides.source_sizes)
+
+    @property
+    def num_samples(self) -> int:
+        return self.sides.num_samples // 2
+
+    @cached_property
+    def fates(self) -> tuple[SampleFate, ...]:
+        return self.sides.fates[::2]
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return ()
+
+    def length(self, pair: int) -> int:
+        """Tokens of both sides; 0 for a dropped pair."""
+        return self.sides.length(2 * pair) + self.sides.length(2 * pair + 1)
+
+    def side(self, pair: int, side: int) -> tuple[Tensor, Tensor]:
+        """(input_ids [n] int64, target_mask [n] bool) of one side (0 chosen, 1 rejected)."""
+        return self.sides.tokens(2 * pair + side)
+
+    def tokens(self, pair: int) -> tuple[Tensor, Tensor]:
+        """Both sides' (input_ids, target_mask), back to back."""
+        chosen, rejected = self.side(pair, 0), self.side(pair, 1)
+        return torch.cat([chosen[0], rejected[0]]), torch.cat([chosen[1], rejected[1]])
+
+    def source_of(self, pair: int) -> int:
+        return self.sides.source_of(2 * pair)
+
+
+def load_pair_corpus(
+    sources: Sequence[PairSource],
+    tokenizer: Any,
+    *,
+    seq_len: int,
+    overlong: str,
+    masking: ChatMasking,
+    progress: bool = False,
+    cache: Optional[DataCache] = None,
+) -> PairCorpus:
+    """Every pair source tokenized and fitted (through `cache` when given); DataError for a bad
+    record (file and line) or a source none of whose pairs fits."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"data.overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+    if not sources:
+        raise ValueError("data.sources is empty: give at least one source of pairs")
+    if not (masking.chat_template or tokenizer.chat_template):
+        raise ValueError(
+            "the tokenizer has no chat template, which pair rendering needs; set data.chat_template"
+        )
+    repeated = repeated_source_names(sources)
+    if repeated:
+        raise ValueError(
+            f"data source names must be unique (they key metrics); repeated: {repeated}"
+        )
+    parts = []
+    for source in sources:
+        settings = {
+            "format": PAIRS_FORMAT,
+            "columns": [source.chosen_column, source.rejected_column],
+            **masking_settings(masking, tokenizer, seq_len=seq_len, overlong=overlong),
+        }
+
+        def tokenize(rank: int, world_size: int, source=source) -> SourceSamples:
+            check_records(source, progress, check=lambda record: pair_from_record(record, source))
+            return fitted_share(
+                source,
+                lambda record: fit_pair_record(
+                    record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
+                ),
+                rank=rank,
+                world_size=world_size,
+                progress=progress,
+            )
+
+        samples = cached_samples(source, tokenizer, tokenize, settings, cache, progress)
+        parts.append(
+            (source_name(source), samples.ids, samples.targets, samples.lengths, samples.fates)
+        )
+    corpus = PairCorpus(Corpus.from_parts(parts))
+    first = 0
+    for source, size in zip(sources, corpus.source_sizes):
+        fates = corpus.fates[first : first + size]
+        if all(fate.dropped for fate in fates):
+            raise DataError(
+                f"{source_label(source)}: no pair is usable with seq_len={seq_len} and "
+                f"data.overlong={overlong!r} ({fates.count(SampleFate.DROPPED_OVERLONG)} "
+                f"over-long, {fates.count(SampleFate.DROPPED_NO_LOSS)} without response tokens)"
+            )
+        first += size
+    return corpus
+
+
+def pack_pairs(
+    rows: Sequence[Sequence[int]],
+    corpus: PairCorpus,
+    *,
+    seq_len: int,
+    pad_token_id: int,
+    reference: Optional[Tensor] = None,
+) -> PairMicroBatch:
+    """Rows of pair ids as one micro-batch: each pair's chosen and rejected sides as two
+    documents of its row; `reference` [num_pairs, 2] (the precomputed reference logprobs of every
+    pair of the corpus) gives the micro-batch's ref_logps. Pure."""
+    packed: PackedRows = pack_rows(
+        [[corpus.side(p, s) for p in row for s in (0, 1)] for row in rows],
+        seq_len=seq_len,
+        pad_token_id=pad_token_id,
+    )
+    sequence_ids = torch.full(packed.input_ids.shape, -1, dtype=torch.int64)
+    pair_ids: list[int] = []
+    for r, row in enumerate(rows):
+        at = 0
+        for p in row:
+            for s in (0, 1):
+                n = len(corpus.side(p, s)[0])
+                sequence_ids[r, at : at + n] = 2 * len(pair_ids) + s
+                at += n
+            pair_ids.append(p)
+    ref = None if reference is None else reference[torch.tensor(pair_ids, dtype=torch.long)]
+    return PairMicroBatch(packed, sequence_ids, len(pair_ids), ref)
+
+
+@dataclass(frozen=True)
+class PairData(Stateless):
+    """Tokenized pairs, their order and this rank's batch layout (a SampleSource whose batches
+    are PairBatches; Progress holds the data position)."""
+
+    corpus: PairCorpus
+    order: SampleOrder
+    seq_len: int
+    batch_size: int
+    """Rows per step over all ranks."""
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    pad_token_id: int
+    reference: Optional[Tensor] = None
+    """[num_pairs, 2] float32: every pair's reference logprobs (dpo.precompute_reference)."""
+
+    def __post_init__(self) -> None:
+        check_batch_layout(
+            self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
+        )
+
+    def batch(self, progress: Progress) -> PairBatch:
+        """This rank's batch of the update after `progress`."""
+        start = progress.data
+        self.order.check(start)
+        plan = plan_step(
+            self.order, start, self.corpus.length, seq_len=self.seq_len, batch_size=self.batch_size
+        )
+        return self.rank_batch(plan)
+
+    def rank_batch(self, plan: StepPlan) -> PairBatch:
+        """This rank's share of a planned step, as micro-batches, with the step's data metrics
+        (data/num_samples counts pairs)."""
+        rows = rank_share(plan.rows, self.dp_rank, self.dp_size, what="rows per step")
+        micro_batches = tuple(
+            pack_pairs(
+                rows[i : i + self.micro_batch_size],
+                self.corpus,
+                seq_len=self.seq_len,
+                pad_token_id=self.pad_token_id,
+                reference=self.reference,
+            )
+            for i in range(0, len(rows), self.micro_batch_size)
+        )
+        return PairBatch(
+            micro_batches=micro_batches,
+            num_samples=sum(len(row) for row in rows),
+            data_after=plan.data_after,
+            metrics=step_metrics(plan, self.corpus, seq_len=self.seq_len),
+        )
+
+
+def load_pair_data(
+    data_cfg: Any,
+    tokenizer: Any,
+    *,
+    seed: int,
+    seq_len: int,
+    batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    progress: bool = False,
+    cache: Optional[DataCache] = None,
+) -> PairData:
+    """Read and tokenize the pair sources of `data_cfg` (data.sources, data.overlong,
+    data.shuffle, data.train_reasoning, data.chat_template); the batch layout is checked before
+    any file is read."""
+    check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    corpus = load_pair_corpus(
+        data_cfg.sources,
+        tokenizer,
+        seq_len=seq_len,
+        overlong=data_cfg.overlong,
+        masking=pair_masking(data_cfg, tokenizer),
+        progress=progress,
+        cache=cache,
+    )
+    order = SampleOrder(
+        source_sizes=corpus.source_sizes,
+        weights=tuple(float(source.weight) for source in data_cfg.sources),
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+    )
+    return PairData(
+        corpus,
+        order,
+        seq_len,
+        batch_size,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        pad_token_id=pad_token_id(tokenizer),
+    )
