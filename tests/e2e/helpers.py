@@ -160,12 +160,18 @@ def assert_resumed_run_matches(
         assert torch.equal(w_full[name], w_resumed[name]), name
 
 
-def run_killed(*args: str, fault: str, nproc: int = 0, env: dict[str, str] | None = None):
-    """Run scripts/sft.py with args and FNT_FAULT=`fault` (fnt.faults); assert it was killed."""
+def run_killed(
+    *args: str,
+    fault: str,
+    nproc: int = 0,
+    env: dict[str, str] | None = None,
+    script: str = "sft.py",
+):
+    """Run scripts/{script} with args and FNT_FAULT=`fault` (fnt.faults); assert it was killed."""
     from fnt.faults import FAULT_ENV
 
     proc = run_script(
-        "sft.py", *args, nproc=nproc, check=False, env={FAULT_ENV: fault, **(env or {})}
+        script, *args, nproc=nproc, check=False, env={FAULT_ENV: fault, **(env or {})}
     )
     if nproc:  # torchrun reports its killed worker and stops the others
         assert proc.returncode != 0 and "SIGKILL" in proc.stderr, proc.stderr[-3000:]
