@@ -79,3 +79,33 @@ def test_the_readme_test_of_your_own_step_passes(tiny_model_dir, tmp_path):
         timeout=600,
     )
     assert out.returncode == 0 and "2 passed" in out.stdout, out.stdout[-4000:]
+
+
+DPO_LOOP = re.compile(r"<!-- dpo-loop:start -->\n```python\n(.*?)```\n<!-- dpo-loop:end -->", re.S)
+
+
+def test_the_readme_preference_loss_of_your_own_runs_and_learns(tiny_model_dir, tmp_path):
+    match = DPO_LOOP.search((REPO / "README.md").read_text())
+    assert match, "README.md lost its dpo-loop block"
+    code = match.group(1)
+    assert len(code.strip().splitlines()) <= 16
+    for module in re.findall(r"^(?:from|import) (\S+)", code, re.M):
+        assert module in ("fnt", "steps", "torch"), f"the loop imports {module}"
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny-model").symlink_to(tiny_model_dir)
+    (tmp_path / "pairs.jsonl").write_text((REPO / "examples/debug/pairs.jsonl").read_text())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert [int(step) for step, _ in rows] == list(range(1, 11))
+    losses = [float(loss) for _, loss in rows]
+    assert losses[0] == 1.0  # the policy is its reference: every margin is 0
+    assert losses[-1] < losses[0], losses
