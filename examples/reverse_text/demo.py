@@ -1,9 +1,11 @@
-"""The reverse-text demo: tiny model -> SFT -> RL, with held-out evals in between.
+"""The reverse-text demo: tiny model -> SFT -> DPO and RL, with held-out evals in between.
 Side effects: writes under --runs and runs the scripts in subprocesses.
 
-Its last line is one JSON object: {"sft_before": ..., "sft_after": ..., "rl_after": ...}, the
-mean held-out similarity (greedy decoding, the same 200 prompts) of the base model, the SFT
-result and the RL result.
+Its last line is one JSON object: {"sft_before": ..., "sft_after": ..., "dpo_after": ...,
+"rl_after": ...}, the mean held-out similarity (greedy decoding, the same 200 prompts) of the
+base model, the SFT result, the DPO result and the RL result. DPO and RL each start from the SFT
+result (DPO on pairs of a correct and a corrupted reversal, `dpo.toml`), so the two stages are
+compared on the same start.
 
 `--engine vllm` generates the RL stage's rollouts with a vLLM server (rollout.engine = "vllm"),
 which the demo starts on 127.0.0.1 with `fnt vllm-serve` (vLLM from `make vllm-env`) and stops
@@ -99,12 +101,28 @@ def rl_stage(
     return evaluate(rl_hf, data)
 
 
+def dpo_stage(sft_hf: Path, data: Path, dpo_dir: Path, dpo_hf: Path, *, seed: int) -> float:
+    """DPO from the exported SFT model `sft_hf` into `dpo_dir`, exported to `dpo_hf`; the
+    held-out similarity of the result."""
+    sources = json.dumps([{"path": str(data / "dpo.jsonl")}])
+    val = json.dumps([{"path": str(data / "dpo_val.jsonl")}])
+    args = ["--config", str(HERE / "dpo.toml"), "--model.name", str(sft_hf), "--seed", str(seed)]
+    args += ["--output-dir", str(dpo_dir), "--data.sources", sources]
+    args += ["--val.sources", val, "--val.interval", "20"]
+    run("scripts/dpo.py", *args)
+    steps = json.loads((dpo_dir / "config.json").read_text())["max_steps"]
+    checkpoint = dpo_dir / "checkpoints" / f"step_{steps}"
+    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(dpo_hf))
+    return evaluate(dpo_hf, data)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--runs", type=Path, default=REPO / "runs", help="where models, data and runs go"
     )
-    p.add_argument("--skip-rl", action="store_true", help="stop after SFT")
+    p.add_argument("--skip-rl", action="store_true", help="leave out the RL stage")
+    p.add_argument("--skip-dpo", action="store_true", help="leave out the DPO stage")
     p.add_argument(
         "--engine",
         choices=("in_process", "vllm"),
@@ -123,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     model, data = runs / "reverse-model", runs / "reverse-data"
     sft_dir, sft_hf = runs / "reverse-sft", runs / "reverse-sft-hf"
     rl_dir, rl_hf = runs / "reverse-rl", runs / "reverse-rl-hf"
-    for stale in (sft_dir, sft_hf, rl_dir, rl_hf):  # a rerun starts over
+    dpo_dir, dpo_hf = runs / "reverse-dpo", runs / "reverse-dpo-hf"
+    for stale in (sft_dir, sft_hf, rl_dir, rl_hf, dpo_dir, dpo_hf):  # a rerun starts over
         shutil.rmtree(stale, ignore_errors=True)
     started = time.time()
     seconds: dict[str, float] = {}  # wall time of each stage: its run, export and eval
@@ -143,6 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     result["sft_after"] = evaluate(sft_hf, data)
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
+    if not args.skip_dpo:
+        result["dpo_after"] = dpo_stage(sft_hf, data, dpo_dir, dpo_hf, seed=args.seed)
+        seconds["dpo"] = time.time() - started - sum(seconds.values())
+
     if not args.skip_rl:
         result["rl_after"] = rl_stage(
             sft_hf, data, rl_dir, rl_hf, seed=args.seed, engine=args.engine, vllm=args.vllm
@@ -150,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds["rl"] = time.time() - started - sum(seconds.values())
 
     print(f"demo took {time.time() - started:.0f} s", flush=True)
-    # Wall seconds per stage (setup: model, data, base eval; sft and rl: run, export, eval).
+    # Wall seconds per stage (setup: model, data, base eval; sft, dpo, rl: run, export, eval).
     print("stage seconds: " + json.dumps({k: round(v, 1) for k, v in seconds.items()}), flush=True)
     print(json.dumps(result), flush=True)
 
