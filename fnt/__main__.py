@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 from fnt.apps.cli import exit_on_bad_input, parse_config
-from fnt.apps.preflight import check_inputs
+from fnt.apps.preflight import check_export, check_inputs, export_marker
 from fnt.config import Config, DPOConfig, RLConfig
 from fnt.config.schema import DTYPE_NAMES
 from fnt.store.rundir import rank0_run_lock
+from fnt.store.transaction import staged_dir_
 
 USAGE = """\
 usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
@@ -79,11 +80,13 @@ def train_dpo(config: DPOConfig) -> None:
 
 
 def train(argv: list[str], cls: type, train_config) -> None:
-    """Parse and validate the command line, take the output_dir's lock (rank 0; torch-free, so
-    a second run on a busy directory is refused within a second), check the inputs, train."""
+    """Parse and validate the command line, check the inputs, take the output_dir's lock (rank
+    0), train. The checks only read, and come before the lock, which creates output_dir: a bad
+    input leaves the disk as it was. A second run on a busy directory is refused there, after
+    the checks, still before any model is built."""
     config, model_name_source = parse_config(argv, cls)
+    check_inputs(config, model_name_source)
     with rank0_run_lock(config.output_dir):
-        check_inputs(config, model_name_source)
         train_config(config)
 
 
@@ -106,16 +109,22 @@ def dpo(argv: list[str]) -> None:
 
 
 def export(argv: list[str]) -> None:
-    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16] [--merge]`.
-    Torch is imported after the arguments are parsed, so `--help` and a bad argument answer at
-    once."""
+    """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16] [--merge]
+    [--force]`. The checks (fnt.apps.preflight.check_export) and the creation of the directory the
+    export is written into (fnt.store.transaction.staged_dir_) come before torch is imported, so
+    `--help`, a bad argument, a bad checkpoint or a bad --out answer at once."""
     parser = argparse.ArgumentParser(
         prog="fnt export", description="Export a checkpoint as a Hugging Face model directory."
     )
     parser.add_argument(
         "--checkpoint", type=Path, required=True, help="a complete step_N directory"
     )
-    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory to write: new, empty, or an earlier export (replaced)",
+    )
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="cast the weights")
     parser.add_argument(
         "--merge",
@@ -123,15 +132,24 @@ def export(argv: list[str]) -> None:
         help="a LoRA checkpoint: write the full model with the adapters merged in, not the "
         "PEFT adapter directory",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even when it holds other files (never a run directory)",
+    )
     args = parser.parse_args(argv)
-    from fnt.apps.export import export_hf_
+    # export_hf_ in three steps, so that the directory is created before torch is imported.
+    check_export(args.checkpoint, args.out, args.force)
+    marker = export_marker(args.checkpoint, args.dtype, args.merge)
+    with staged_dir_(args.out, marker, "--out") as partial:
+        from fnt.apps.export import write_hf_
 
-    out = export_hf_(args.checkpoint, args.out, args.dtype, merge=args.merge)
+        write_hf_(args.checkpoint, partial, args.dtype, merge=args.merge)
     print(
         json.dumps(
             {
                 "checkpoint": str(args.checkpoint),
-                "out": str(out),
+                "out": str(args.out),
                 "dtype": args.dtype,
                 "merge": args.merge,
             }

@@ -3,7 +3,8 @@ effects.
 
 The first three are user errors, not bugs: the command line prints their message and exits with
 status 2, without a traceback. Config, data and rollout code all import them from here, so none
-of those modules has to reach into another to name them.
+of those modules has to reach into another to name them; `named` is how their messages name
+the key, option or argument they are about.
 """
 
 
@@ -24,3 +25,12 @@ class ServerError(RuntimeError):
     """An inference server that is down, too slow or answers with an error, after the retries;
     the message names the server and the request. The command line prints it on one line and
     exits with status 3: the run resumes from its last checkpoint once the server is back."""
+
+
+def named(key: str, value: object) -> str:
+    """How a message names the input it is about: `'model.name' = 'x'` for a config key,
+    `--out 'x'` for a command-line option, `'x'` for a positional argument (key ""). Pure."""
+    shown = repr(str(value))
+    if not key:
+        return shown
+    return f"{key} {shown}" if key.startswith("-") else f"'{key}' = {shown}"

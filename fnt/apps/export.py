@@ -1,5 +1,10 @@
 """Checkpoint -> Hugging Face directory. Side effects: reads a checkpoint, writes a directory.
 
+The directory is written whole or not at all (fnt.store.transaction.staged_dir_), and only
+where no one else's files are (fnt.apps.preflight.check_export): a new or empty directory, an
+earlier export (its COMPLETE marker names `fnt export`), or any other directory with `force`,
+never a run directory or the checkpoint itself.
+
 The exported directory holds the base model's config, its tokenizer and the trained weights as
 safetensors, so `AutoModelForCausalLM.from_pretrained(out)` loads the trained model anywhere.
 A LoRA run's checkpoint (adapters only) exports as a PEFT adapter directory (adapter_config.json
@@ -11,6 +16,7 @@ reshards on load).
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -19,13 +25,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from fnt.apps.preflight import check_export, export_marker
 from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
 from fnt.model.loading import DTYPES, load_hf_model, without_tied_duplicates
 from fnt.model.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer
-from fnt.store.transaction import COMPLETE_MARKER, is_complete
+from fnt.store.paths import require_checkpoint
+from fnt.store.transaction import staged_dir_
 
 
 def saved_lora(ckpt_dir: Path) -> LoraConfig:
@@ -52,10 +60,7 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
     """The base model architecture with the checkpoint's weights, in float32, on CPU; for a
     LoRA checkpoint, the base read from its directory with the trained adapters added."""
     ckpt_dir = Path(ckpt_dir)
-    if not is_complete(ckpt_dir):
-        raise FileNotFoundError(
-            f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE_MARKER} file)"
-        )
+    require_checkpoint(ckpt_dir, "")
     base = check_base(ckpt_dir)
     model = load_hf_model(ModelConfig(name=base, dtype="float32"), torch.device("cpu"))
     lora = saved_lora(ckpt_dir)
@@ -74,16 +79,32 @@ def load_trained_model(ckpt_dir: Path) -> nn.Module:
 
 
 def export_hf_(
-    ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None, merge: bool = False
+    ckpt_dir: Path,
+    out_dir: Path,
+    dtype: Optional[str] = None,
+    merge: bool = False,
+    force: bool = False,
 ) -> Path:
-    """Write the trained model (optionally cast to `dtype`) and the base tokenizer to out_dir:
-    a full model, or for a LoRA checkpoint its PEFT adapter directory (`merge`: the full model
-    with the adapters merged in)."""
+    """Export the checkpoint at `ckpt_dir` into `out_dir` (`write_hf_`), whole or not at all: the
+    inputs are checked first (fnt.apps.preflight.check_export: `out_dir` must be new, empty, an
+    earlier export, or replaced with `force`), then the directory is written beside it and
+    renamed into place (fnt.store.transaction.staged_dir_). Returns the directory written."""
+    check_export(ckpt_dir, out_dir, force)
+    with staged_dir_(Path(out_dir), export_marker(ckpt_dir, dtype, merge), "--out") as partial:
+        write_hf_(ckpt_dir, partial, dtype, merge=merge)
+    return Path(os.path.realpath(out_dir))
+
+
+def write_hf_(
+    ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None, merge: bool = False
+) -> None:
+    """Write the trained model (optionally cast to `dtype`) and the base tokenizer into the
+    existing directory out_dir: a full model, or for a LoRA checkpoint its PEFT adapter
+    directory (`merge`: the full model with the adapters merged in)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     model = load_trained_model(ckpt_dir)
     lora = saved_lora(ckpt_dir)
     base = read_meta(ckpt_dir)["model_name"]
-    out_dir.mkdir(parents=True, exist_ok=True)
     cast = DTYPES[dtype] if dtype is not None else None
     if lora.rank and not merge:
         adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -97,4 +118,3 @@ def export_hf_(
             state = {name: tensor.to(cast) for name, tensor in state.items()}
         model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     load_tokenizer(base).save_pretrained(out_dir)
-    return out_dir

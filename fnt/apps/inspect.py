@@ -43,6 +43,7 @@ from typing import Any, Collection, Optional, Union
 
 from fnt.config import flatten
 from fnt.errors import DataError
+from fnt.store.paths import require_dir
 from fnt.store.rundir import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -88,8 +89,7 @@ class RunView:
 def read_run(path: Union[str, Path]) -> RunView:
     """Read a run directory; DataError when it is not one or one of its files is unreadable."""
     path = Path(path)
-    if not path.is_dir():
-        raise DataError(f"{path}: no such directory")
+    require_dir(path, "", DataError, "a run directory")
     config_file, metrics_file = path / CONFIG_FILE, path / METRICS_FILE
     if not config_file.is_file() and not metrics_file.is_file():
         raise DataError(f"{path}: not a run directory (no {CONFIG_FILE} and no {METRICS_FILE})")

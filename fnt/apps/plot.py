@@ -1,7 +1,9 @@
 """Plot runs without W&B: `fnt plot RUN [RUN...] [--keys K,...] [--out FILE.png] [--smooth N]`.
 
-Side effects: `plot_runs` writes a PNG; `main` reads run directories (through
-`fnt.apps.inspect.read_run`) and prints. `series`, `smooth` and `panel_keys` are pure.
+Side effects: `plot_runs` writes a PNG (whole or not at all, signed "fnt plot" so that the next
+plot may replace it and nothing else: fnt.store.paths.check_output_file); `main` reads run
+directories (through `fnt.apps.inspect.read_run`) and prints. `series`, `smooth` and
+`panel_keys` are pure.
 
 One panel per metric key, step on the x axis, one line per run, labelled with the run
 directory's name and drawn in the same colour in every panel; a validation key is drawn dashed
@@ -23,7 +25,9 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 
 from fnt.apps.cli import EXIT_BAD_INPUT
 from fnt.apps.inspect import RunView, default_keys, notes, read_run
-from fnt.errors import DataError
+from fnt.errors import ConfigError, DataError
+from fnt.store.paths import PLOT, check_output_file
+from fnt.store.transaction import staged_file_
 
 MISSING_MATPLOTLIB = "error: fnt plot needs matplotlib; install it with: pip install 'fnt[plot]'"
 # Each panel is PANEL_SIZE inches at DPI, so the PNG is (columns * 400) x (rows * 240) pixels:
@@ -146,7 +150,9 @@ def plot_runs(
         fontsize=9,
         frameon=False,
     )
-    figure.savefig(out, dpi=DPI)
+    # Signed, so that the next plot may replace it (fnt.store.paths.check_output_file).
+    with staged_file_(Path(out), "--out") as partial:
+        figure.savefig(partial, dpi=DPI, format="png", metadata={"Software": PLOT})
     return figure
 
 
@@ -167,6 +173,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--log", action="append", default=[], metavar="KEY", help="log y scale for KEY (repeat)"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="replace --out even if fnt plot did not write it"
+    )
     args = parser.parse_args(argv)
     if args.smooth < 1:
         parser.error(f"--smooth {args.smooth}: expected a number of rows >= 1")
@@ -175,8 +184,9 @@ def main(argv: list[str]) -> None:
     except ImportError:
         print(MISSING_MATPLOTLIB, file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    if not args.out.parent.is_dir():
-        raise DataError(f"--out {args.out}: directory {args.out.parent} does not exist")
+    if args.out.suffix.lower() != ".png":
+        raise ConfigError(f"--out {str(args.out)!r}: expected a .png file (fnt plot writes PNG)")
+    check_output_file(args.out, "--out", PLOT, force=args.force)
     runs = [read_run(path) for path in args.runs]
     asked = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
     keys = panel_keys(runs, asked)

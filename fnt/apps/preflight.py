@@ -1,22 +1,43 @@
-"""Input checks that run before anything heavy: model and tokenizer files, data and prompt files,
-the resume step. Side effects: reads those files (the first record of each data file only).
+"""Input checks that run before anything heavy, for every command: model and tokenizer files, data
+and prompts files, the resume step, references to the user's functions, LoRA's target modules,
+checkpoints to read and the places outputs go. Side effects: reads those files and directories
+(the first record of each data file only), imports the modules a "module:function" reference
+names, and `require_lora_targets` builds the model on the meta device (no weights are read).
 
 A mistake in any of them should cost a second and one line, not a minute of imports, process
 groups and model building followed by a traceback. The full checks still run where the inputs are
 used (every record when the data is tokenized); these catch what is wrong at the first glance.
+
+The rules of paths every command shares are fnt.store.paths' (a file or directory that must
+exist, a checkpoint, a writable place, an output directory or file a command may write); those
+of "module:function" references fnt.config.references.require_function (rollout.reward:
+fnt.rollout.rewards.require_reward). The commands' own checks here combine them:
+`check_inputs` (sft, rl), `check_model_and_data` (show-data), `check_export`. A new command adds
+its function here from the same rules.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from pathlib import Path
+from typing import Optional
 
 from fnt.config import Config, DPOConfig, RLConfig, engine_of
 from fnt.config.schema import source_kind
-from fnt.errors import ConfigError, DataError
+from fnt.errors import CheckpointError, ConfigError, DataError, named
 from fnt.resume import resolve_resume_step
+from fnt.rollout.rewards import require_reward
 from fnt.store.jsonl import jsonl_records
-from fnt.store.rundir import ckpt_root
+from fnt.store.paths import (
+    EXPORT,
+    PathLike,
+    check_output_dir,
+    require_checkpoint,
+    require_run_dir_or_new,
+)
+from fnt.store.rundir import CONFIG_FILE, ckpt_root
+from fnt.store.transaction import output_marker
 
 # Any one of these is a tokenizer transformers can load without extra packages' guesswork.
 TOKENIZER_FILES = (
@@ -30,10 +51,29 @@ TOKENIZER_FILES = (
 
 
 def check_inputs(config: Config, model_name_source: str) -> None:
-    """Everything checkable before the model is built; raises ConfigError or DataError.
+    """Everything checkable before the model is built, for `fnt sft` and `fnt rl`; raises
+    ConfigError or DataError. Reads only: nothing is written until every check has passed.
 
     JSONL sources get their first record checked; parquet/Arrow files and directories only
-    their existence; glob patterns and Hugging Face datasets are resolved by the loader."""
+    their existence; glob patterns and Hugging Face datasets are resolved by the loader. The
+    LoRA check comes last, as the costliest (it imports transformers and PEFT)."""
+    require_run_dir_or_new(config.output_dir)
+    check_model_and_data(config, model_name_source)
+    is_rl = isinstance(config, RLConfig)
+    if is_rl and engine_of(config.rollout).samples_prompts:  # it scores with rollout.reward
+        require_reward(config.rollout.reward)
+        first = first_record(config.rollout.prompts, "rollout.prompts")
+        from fnt.rollout.prompts import prompt_messages
+
+        check_record(first, prompt_messages)
+    # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
+    resolve_resume_step(config.resume, ckpt_root(config.output_dir))
+    require_lora_targets(config)
+
+
+def check_model_and_data(config: Config, model_name_source: str) -> None:
+    """The model directory, its tokenizer where one is needed, and the first record of each
+    JSONL data source (SFT's data.sources and val.sources); what `fnt show-data` reads too."""
     require_model_dir(config.model.name, model_name_source)
     is_rl = isinstance(config, RLConfig)
     if is_rl or config.data.kind == "sources":
@@ -62,13 +102,47 @@ def check_inputs(config: Config, model_name_source: str) -> None:
 
         for first, source in firsts:
             check_record(first, lambda r, s=source: conversation_from_record(chat_record(r, s)))
-    if is_rl and engine_of(config.rollout).samples_prompts:
-        first = first_record(config.rollout.prompts, "rollout.prompts")
-        from fnt.rollout.prompts import prompt_messages
 
-        check_record(first, prompt_messages)
-    # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
-    resolve_resume_step(config.resume, ckpt_root(config.output_dir))
+
+def require_lora_targets(config: Config) -> None:
+    """ConfigError unless model.lora's target_modules and modules_to_save name modules of the
+    model: the adapters are added to the model built on the meta device from its config.json
+    (fnt.model.loading.empty_hf_model), the way the sharded load adds them, so no weight is read
+    and a misspelled module costs the imports, not the load. Nothing to check without LoRA."""
+    if not config.model.lora.rank:
+        return
+    from fnt.model.loading import empty_hf_model
+    from fnt.model.lora import add_adapters_
+
+    add_adapters_(empty_hf_model(config.model), config.model.lora)
+
+
+def check_export(checkpoint: PathLike, out: PathLike, force: bool) -> None:
+    """`fnt export`'s inputs: a complete checkpoint whose base model directory (with tokenizer)
+    is still there, and an --out that export may write (`check_output_dir`). Reads only."""
+    meta = require_checkpoint(checkpoint, "--checkpoint")
+    base = meta.get("model_name")
+    has_tokenizer = isinstance(base, str) and any(
+        os.path.isfile(os.path.join(base, file)) for file in TOKENIZER_FILES
+    )
+    if not (isinstance(base, str) and os.path.isfile(os.path.join(base, CONFIG_FILE))):
+        raise CheckpointError(
+            f"{named('--checkpoint', checkpoint)}: its base model {base!r} (meta.json "
+            "model_name) is not a Hugging Face model directory (no config.json there); the "
+            "export reads the architecture and tokenizer from it: put the base model back there"
+        )
+    if not has_tokenizer:
+        raise CheckpointError(
+            f"{named('--checkpoint', checkpoint)}: its base model {base!r} has no tokenizer "
+            f"files (one of {', '.join(TOKENIZER_FILES)}), which the export copies"
+        )
+    check_output_dir(out, "--out", EXPORT, force=force, keep=(Path(checkpoint),))
+
+
+def export_marker(checkpoint: PathLike, dtype: Optional[str], merge: bool) -> str:
+    """The marker text of an export (fnt.store.transaction.output_marker): what tells an earlier
+    export, which `check_export` lets the next one replace, from anyone else's files. Pure."""
+    return output_marker(EXPORT, checkpoint=os.path.abspath(checkpoint), dtype=dtype, merge=merge)
 
 
 def require_model_dir(name: str, source: str) -> None:

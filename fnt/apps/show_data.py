@@ -63,14 +63,16 @@ def main(argv: list[str]) -> None:
     )
     args, rest = parser.parse_known_args(argv)
     from fnt.apps.cli import parse_config
+    from fnt.apps.preflight import check_model_and_data
     from fnt.config import ConfigError
 
-    config, _ = parse_config(rest)
+    config, model_name_source = parse_config(rest)
     if config.data.kind != "sources":
         raise ConfigError(
             f"data.kind = {config.data.kind!r}: show-data shows data.sources (data.kind = "
             '"sources")'
         )
+    check_model_and_data(config, model_name_source)
     show(config, args.n, args.color == "always" or (args.color == "auto" and sys.stdout.isatty()))
 
 

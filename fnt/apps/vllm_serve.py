@@ -36,6 +36,7 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from fnt.apps.cli import parse_config
+from fnt.apps.preflight import require_model_dir, require_tokenizer_files
 from fnt.config import ConfigError, RLConfig
 from fnt.config.engines import check_vllm
 
@@ -43,10 +44,18 @@ LOCAL_VLLM = Path(".venv-vllm/bin/vllm")
 
 
 def find_vllm(given: Optional[str]) -> str:
-    """The vllm program to run (see the module doc); ConfigError when there is none."""
-    candidates = [given, os.environ.get("FNT_VLLM")]
-    if LOCAL_VLLM.is_file():
-        candidates.append(str(LOCAL_VLLM))
+    """The vllm program to run (see the module doc); ConfigError when there is none, or when
+    the one --vllm or $FNT_VLLM names is not an executable file (exec would fail with a
+    traceback)."""
+    named_by = [("--vllm", given), ("FNT_VLLM", os.environ.get("FNT_VLLM"))]
+    for key, candidate in named_by:
+        if candidate:
+            program = shutil.which(candidate)
+            if program is None:
+                where = f"--vllm {candidate!r}" if key == "--vllm" else f"${key} = {candidate!r}"
+                raise ConfigError(f"{where}: not an executable program (no such file, or not +x)")
+            return program
+    candidates = [str(LOCAL_VLLM)] if LOCAL_VLLM.is_file() else []
     candidates.append(shutil.which("vllm"))
     for candidate in candidates:
         if candidate:
@@ -124,8 +133,11 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--print", action="store_true", help="print the command, run nothing")
     args, config_args = parser.parse_known_args(argv)
-    config, _ = parse_config(config_args, RLConfig)
+    config, model_name_source = parse_config(config_args, RLConfig)
     check_vllm(config.rollout)
+    # vLLM reads the model and its tokenizer; a missing one would fail only after its start-up.
+    require_model_dir(config.model.name, model_name_source)
+    require_tokenizer_files(config.model.name, "vLLM")
     command, env = serve_command(
         config, find_vllm(args.vllm), index=args.index, extra=extra, cuda=has_cuda()
     )

@@ -303,7 +303,7 @@ def split_cli(argv: list[str], cls: type = Config) -> CliArgs:
 def load_config(argv: list[str], cls: type = Config) -> tuple[Any, CliArgs]:
     """Resolve defaults < TOML file < CLI overrides into a frozen `cls` instance.
 
-    Reads the TOML file named by `--config`, if any; a missing or malformed file is a
+    Reads the TOML file named by `--config`, if any; a missing, unreadable or malformed file is a
     ConfigError.
     """
     cli = split_cli(argv, cls)
@@ -316,6 +316,10 @@ def load_config(argv: list[str], cls: type = Config) -> tuple[Any, CliArgs]:
                 table = _normalize_table(tomllib.load(fh))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
+        except OSError as exc:  # a directory, or a file this user cannot read
+            raise ConfigError(f"config file {path}: cannot read it: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text: {exc.reason}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
         for key in flatten(table):

@@ -11,7 +11,7 @@ from typing import Any
 
 from fnt.config.engines import ENGINES, engine_of
 from fnt.config.parallel import batch_layout_problem, plan_parallel_dims
-from fnt.config.references import import_function
+from fnt.config.references import require_function
 from fnt.config.schema import (
     CHAT_ROLES,
     Config,
@@ -38,13 +38,13 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     require(config.seq_len >= 2, "seq_len", "must be at least 2")
     require(config.trace_steps >= 0, "trace_steps", "must be 0 (all steps) or more")
     for i, name in enumerate(config.monitors):
-        try:
-            import_function(name, 2)
-        except ValueError as e:
-            raise ConfigError(
-                f"'monitors[{i}]': {e}; a monitor is a class built as Class(config, start_step) "
-                "with log(row) and close() (fnt.obs.monitors)"
-            ) from None
+        require_function(
+            name,
+            f"monitors[{i}]",
+            2,
+            "a class built as Class(config, start_step) with log(row) and close() "
+            "(fnt.obs.monitors)",
+        )
     require(config.optim.lr >= 0, "optim.lr", "must be >= 0")
     require(config.optim.eps > 0, "optim.eps", "must be > 0")
     require(config.optim.max_norm >= 0, "optim.max_norm", "must be >= 0 (0 measures only)")
@@ -168,13 +168,9 @@ def validate_loss(config: RLConfig) -> None:
         require(math.isfinite(value) and value >= 0, key, "must be a finite number >= 0")
     if loss.kind == "custom":
         require(bool(loss.custom), "custom", 'loss.kind = "custom" needs "module:function" here')
-        try:
-            import_function(loss.custom, 2)
-        except ValueError as e:
-            raise ConfigError(
-                f"'loss.custom' = {loss.custom!r}: {e}; expected a loss fn(inputs, config) "
-                "(see steps/rl_losses.py)"
-            ) from None
+        require_function(
+            loss.custom, "loss.custom", 2, "a loss fn(inputs, config) (see steps/rl_losses.py)"
+        )
     else:
         require(
             not loss.custom, "custom", f'is set but loss.kind = {loss.kind!r}: set kind = "custom"'

@@ -1,5 +1,8 @@
 """Write a tiny Hugging Face causal LM directory for tests and demos (side effect: files in --out).
 
+--out is written whole or not at all, and only where no one else's files are (the rules of
+fnt.store.paths.check_output_dir: new, empty, a tiny model written before, or `--force`).
+
 The directory holds a config, safetensors weights and a byte-level tokenizer with a chat template,
 so `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load it
 offline, through exactly the path the trainer uses for real models. The command line is
@@ -21,17 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from fnt.errors import ConfigError
+from fnt.store.paths import TINY_MODEL, check_output_dir, require_file
+from fnt.store.transaction import output_marker, staged_dir_
+
+# torch, tokenizers and transformers are imported where the model is made, after the arguments
+# and paths are checked: a bad --out or --chat-template answers at once.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
@@ -81,6 +84,9 @@ def byte_level_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """A tokenizer with one token per byte (256) plus the special tokens (eos, pad and bos
     among them), and no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     byte_to_char = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_to_char))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -104,18 +110,39 @@ def byte_level_tokenizer(
 
 
 def tokenizer_from_template_file(path: Path) -> PreTrainedTokenizerFast:
-    """The byte-level tokenizer with the chat template (and special tokens) of `path`."""
-    text = path.read_text()
+    """The byte-level tokenizer with the chat template (and special tokens) of `path`;
+    ConfigError for a JSON file that is not an object with a chat_template."""
+    text = chat_template_text(path)
     if path.suffix != ".json":
         return byte_level_tokenizer(chat_template=text)
-    spec = json.loads(text)
-    if not isinstance(spec, dict) or not isinstance(spec.get("chat_template"), str):
-        raise SystemExit(f"--chat-template {path}: expected a JSON object with a 'chat_template'")
+    spec = chat_template_spec(path, text)
     eos = _token_text(spec.get("eos_token")) or "<|im_end|>"
     pad = _token_text(spec.get("pad_token")) or "<|pad|>"
     bos = _token_text(spec.get("bos_token"))
     extra = [_token_text(t) for t in spec.get("additional_special_tokens") or []]
     return byte_level_tokenizer(spec["chat_template"], eos, pad, bos, [t for t in extra if t])
+
+
+def chat_template_text(path: Path) -> str:
+    """The text of the --chat-template file; ConfigError when it cannot be read as text."""
+    require_file(path, "--chat-template")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {str(path)!r}: cannot read it: {exc}") from None
+
+
+def chat_template_spec(path: Path, text: str) -> dict:
+    """A JSON --chat-template's object; ConfigError unless it is one with a chat_template."""
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--chat-template {str(path)!r}: not JSON ({exc})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("chat_template"), str):
+        raise ConfigError(
+            f"--chat-template {str(path)!r}: expected a JSON object with a 'chat_template'"
+        )
+    return spec
 
 
 def _token_text(token: Any) -> Optional[str]:
@@ -125,6 +152,8 @@ def _token_text(token: Any) -> Optional[str]:
 
 def tiny_config(vocab_size: int, pad_id: int, eos_id: int, args: argparse.Namespace):
     """The model config: the architecture `args` selects at the sizes `args` gives."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
     tie = args.tie if args.tie is not None else args.arch == "qwen3"
     common = dict(
         vocab_size=vocab_size,
@@ -173,6 +202,8 @@ def portable_init_(model: torch.nn.Module, std: float, seed: int) -> None:
     bits from machine to machine, and so does every number trained from it. Uniform values are
     random integers scaled by exactly rounded float64 operations, the same bits everywhere.
     """
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     half_width = std * 3**0.5  # a uniform on [-a, a] has standard deviation a / sqrt(3)
     with torch.no_grad():
@@ -183,6 +214,10 @@ def portable_init_(model: torch.nn.Module, std: float, seed: int) -> None:
 
 
 def make_tiny_model_(out: Path, args: argparse.Namespace) -> None:
+    """Write the model `args` describe, with its tokenizer, into the existing directory `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     tok = (
         byte_level_tokenizer()
         if args.chat_template is None
@@ -195,14 +230,23 @@ def make_tiny_model_(out: Path, args: argparse.Namespace) -> None:
     extra_stop = tok.convert_tokens_to_ids(QWEN3_EXTRA_STOP)
     if args.arch == "qwen3" and extra_stop is not None and extra_stop != tok.eos_token_id:
         model.generation_config.eos_token_id = [tok.eos_token_id, extra_stop]
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fnt make-tiny-model", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="directory to write")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory to write: new, empty, or a tiny model written before (replaced)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace --out even when it holds other files (never a run directory)",
+    )
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE model instead of a dense Llama")
     p.add_argument(
         "--arch",
@@ -237,6 +281,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`fnt make-tiny-model`: check the arguments, then write --out whole or not at all."""
     args = parse_args(argv)
-    make_tiny_model_(args.out, args)
+    check_output_dir(args.out, "--out", TINY_MODEL, force=args.force)
+    if args.chat_template is not None:
+        text = chat_template_text(args.chat_template)
+        if args.chat_template.suffix == ".json":
+            chat_template_spec(args.chat_template, text)
+    # The options that shape the files (not where they go, or whether to replace them).
+    asked = {
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in vars(args).items()
+        if k not in ("out", "force")
+    }
+    with staged_dir_(args.out, output_marker(TINY_MODEL, **asked), "--out") as partial:
+        make_tiny_model_(partial, args)
     print(json.dumps({"out": str(args.out), "moe": args.moe, "arch": args.arch}))

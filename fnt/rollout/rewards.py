@@ -5,7 +5,8 @@ A reward function is `fn(completion: str, sample: dict) -> float`: `completion` 
 text decoded without special tokens (so without the closing eos), `sample` is the prompt's JSONL
 record with all its fields (e.g. "answer"). `reward_function(name)` resolves either a name in
 REWARDS or a "module:function" string naming any importable function of that shape
-(`fnt.config.references.import_function`, which `loss.custom` uses too).
+(`fnt.config.references.import_function`, which `loss.custom` uses too). `require_reward` is the
+up-front check of `rollout.reward`: a ConfigError naming the key, before any model is built.
 
 A reward that is NaN or infinite is bad. `rollout.on_bad_reward` decides (`keep_group`): "error"
 stops the run with a message naming the reward and the prompt's line; "skip" gives the whole
@@ -24,7 +25,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Sequence
 
-from fnt.config.references import import_function
+from fnt.config.references import import_function, require_function
+from fnt.errors import ConfigError, named
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -65,21 +67,39 @@ REWARDS: Mapping[str, RewardFn] = MappingProxyType(
 """The registered rewards, by the name `rollout.reward` uses."""
 
 
+REWARD_SHAPE = "a reward fn(completion: str, sample: dict) -> float"
+
+
+def unknown_reward(name: str) -> str:
+    """The message for a `rollout.reward` that is neither registered nor "module:function". Pure."""
+    close = difflib.get_close_matches(name, list(REWARDS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"unknown reward {name!r}{hint}. Registered rewards: {', '.join(sorted(REWARDS))}; or give "
+        f"'module:function' for your own fn(completion: str, sample: dict) -> float"
+    )
+
+
 def reward_function(name: str) -> RewardFn:
     """The reward function a `rollout.reward` value names: a REWARDS key or "module:function"."""
     if ":" in name:
         try:
             return import_function(name, 2)
         except ValueError as e:
-            raise ValueError(f"reward {e}") from e
+            raise ValueError(f"reward {name!r}: {e}") from e
     if name in REWARDS:
         return REWARDS[name]
-    close = difflib.get_close_matches(name, list(REWARDS), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(
-        f"unknown reward {name!r}{hint}. Registered rewards: {', '.join(sorted(REWARDS))}; or give "
-        f"'module:function' for your own fn(completion: str, sample: dict) -> float"
-    )
+    raise ValueError(unknown_reward(name))
+
+
+def require_reward(name: str, key: str = "rollout.reward") -> RewardFn:
+    """`reward_function(name)`, or a ConfigError naming `key`: checked before any model is built,
+    where the engine would otherwise find a misspelled or unimportable reward only after it."""
+    if ":" in name:
+        return require_function(name, key, 2, REWARD_SHAPE)
+    if name not in REWARDS:
+        raise ConfigError(f"{named(key, name)}: {unknown_reward(name)}")
+    return REWARDS[name]
 
 
 def score(

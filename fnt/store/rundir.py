@@ -1,7 +1,8 @@
 """The run directory: every file and folder name fnt writes under `output_dir`, the rule for step
 directories, their pruning, and the run's lock. Pure, except listing, pruning and moving step
 directories (`list_step_dirs`, `prune_steps_`, `abandon_newer_`, `move_aside_`,
-`prune_abandoned_`), reading metrics_missing.json (`read_missing_steps`) and the lock. Imports
+`prune_abandoned_`), reading metrics_missing.json (`read_missing_steps`), telling a run directory
+by its entries and config (`run_entries`, `is_run_config`) and the lock. Imports
 nothing heavy, so the command line, preflight and `fnt inspect` use it before (or without) torch.
 
 ```
@@ -67,6 +68,23 @@ POLICY_STEP_FILE = "policy_step"
 
 _STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)")
 
+# The entries of a run directory that only fnt writes: a directory holding any of them is a run
+# directory. CONFIG_FILE is not among them, as a Hugging Face model directory has one too. Run
+# directories of older versions have run.lock as well, since every run starts by taking the lock.
+RUN_ENTRIES = (
+    LOCK_FILE,
+    METRICS_FILE,
+    METRICS_MISSING_FILE,
+    WANDB_ID_FILE,
+    WANDB_LOGGED_FILE,
+    DATA_CACHE_DIR,
+    CHECKPOINTS_DIR,
+    WEIGHTS_DIR,
+    ROLLOUTS_DIR,
+)
+# The keys of a run's resolved config (config.json) that tell it from other config.json files.
+RUN_CONFIG_KEYS = ("output_dir", "model", "max_steps")
+
 PathLike = Union[str, Path]
 
 
@@ -108,6 +126,25 @@ def step_ranges(steps: Collection[int]) -> str:
             parts.append(str(start) if start == previous else f"{start}..{previous}")
         start = previous = step
     return ", ".join(parts)
+
+
+def run_entries(path: PathLike) -> list[str]:
+    """The RUN_ENTRIES that directory `path` holds, in RUN_ENTRIES' order (none when `path` is
+    not a directory): a directory with any of them is a run directory."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return [name for name in RUN_ENTRIES if os.path.lexists(path / name)]
+
+
+def is_run_config(path: PathLike) -> bool:
+    """Whether the file at `path` is a run's resolved config (what a run writes as config.json),
+    not another program's config.json (a Hugging Face model's, say)."""
+    try:
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and all(key in config for key in RUN_CONFIG_KEYS)
 
 
 def read_missing_steps(path: Path) -> list[int]:
