@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Collection, Iterable, Iterator, Optional, Union
 
-from fnt.errors import ConfigError
+from fnt.errors import ConfigError, named
 from fnt.faults import fault_point
 from fnt.store.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX, fsync_dir
 
@@ -277,23 +277,21 @@ def make_output_dir_(output_dir: PathLike) -> Path:
     not exist yet creates the target (the link stays); a path that is a file, or that cannot be
     created, is a ConfigError naming it."""
     path = Path(output_dir)
+    here = named("output_dir", path)
     if path.is_symlink() and not path.exists():
         target = Path(os.path.realpath(path))
         try:
             target.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
-                f"output_dir {str(path)!r} is a symlink to {str(target)!r}, which cannot be "
-                f"created: {exc.strerror}"
+                f"{here}: is a symlink to {str(target)!r}, which cannot be created: {exc.strerror}"
             ) from None
     if path.exists() and not path.is_dir():
-        raise ConfigError(
-            f"output_dir {str(path)!r} is a file, not a directory: choose another output_dir"
-        )
+        raise ConfigError(f"{here}: is a file, not a directory: choose another output_dir")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"output_dir {str(path)!r} cannot be created: {exc.strerror}") from None
+        raise ConfigError(f"{here}: cannot be created: {exc.strerror}") from None
     return path
 
 

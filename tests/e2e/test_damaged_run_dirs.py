@@ -226,7 +226,8 @@ def test_an_output_dir_that_is_a_file_is_one_line(tiny_model_dir, tmp_path):
     proc = run_cli("sft", *sft_args(tiny_model_dir, path), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        f"error: output_dir {str(path)!r} is a file, not a directory: choose another output_dir"
+        f"error: 'output_dir' = {str(path)!r}: is a file, not a directory: choose another "
+        "output_dir"
     )
 
 

@@ -1,14 +1,19 @@
-"""Exported Hugging Face directories reproduce the trained model."""
+"""Exported Hugging Face directories reproduce the trained model, and replace only what an
+export wrote."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt.checkpoint import save_checkpoint_
 from fnt.data.synthetic import synthetic_rows
 from fnt.loop import fold
+from fnt.store.transaction import written_by
 from steps.sft import sft_step
 from tests.e2e.helpers import run_cli, run_script
 from tests.steps.test_sft import batch_of, make_state
@@ -92,3 +97,25 @@ def test_a_two_rank_checkpoint_exports(tiny_model_dir, tmp_path):
         if not torch.equal(p, dict(base.named_parameters())[n])
     ]
     assert len(changed) == len(list(base.parameters()))  # every tensor was trained and exported
+
+
+def test_an_export_replaces_an_earlier_export_and_anything_else_only_with_force(trained, tmp_path):
+    """An earlier export is replaced without asking (its COMPLETE marker names `fnt export`);
+    someone else's directory is refused, its files unchanged, until --force."""
+    ckpt, _, _, _ = trained
+    out = tmp_path / "hf"
+    run_cli("export", "--checkpoint", str(ckpt), "--out", str(out))
+    assert written_by(out) == "fnt export"
+    run_cli("export", "--checkpoint", str(ckpt), "--out", str(out), "--dtype", "bfloat16")
+    assert json.loads((out / "COMPLETE").read_text())["dtype"] == "bfloat16"
+    weights = load_file(out / "model.safetensors")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    refused = run_cli("export", "--checkpoint", str(ckpt), "--out", str(mine), check=False)
+    assert refused.returncode == 2 and "notes.txt" in refused.stderr and "--force" in refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    run_cli("export", "--checkpoint", str(ckpt), "--out", str(mine), "--force")
+    assert not (mine / "notes.txt").exists() and written_by(mine) == "fnt export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no .partial left

@@ -16,6 +16,7 @@ from matplotlib.image import imread
 from fnt.__main__ import main
 from fnt.apps.inspect import read_run
 from fnt.apps.plot import DPI, PANEL_SIZE, panel_keys, panels, plot_runs, series, smooth
+from fnt.store.paths import written_by_png
 
 # The colours of the first two runs' lines (matplotlib's C0 and C1), as 8-bit RGB.
 RUN_COLOURS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)]
@@ -147,3 +148,20 @@ def test_without_matplotlib_plot_names_the_extra_and_exits_2(two_runs, monkeypat
     assert capsys.readouterr().err == (
         "error: fnt plot needs matplotlib; install it with: pip install 'fnt[plot]'\n"
     )
+
+
+def test_a_plot_replaces_its_own_png_and_another_file_only_with_force(two_runs, tmp_path):
+    out = tmp_path / "plot.png"
+    main(["plot", str(two_runs[0]), "--out", str(out)])
+    assert written_by_png(out) == "fnt plot"
+    first = out.read_bytes()
+    main(["plot", *map(str, two_runs), "--out", str(out)])  # its own: replaced
+    assert out.read_bytes() != first and written_by_png(out) == "fnt plot"
+    other = tmp_path / "figure.png"
+    other.write_bytes(b"someone's figure")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", str(two_runs[0]), "--out", str(other)])
+    assert exit_info.value.code == 2 and other.read_bytes() == b"someone's figure"
+    main(["plot", str(two_runs[0]), "--out", str(other), "--force"])
+    assert written_by_png(other) == "fnt plot"
+    assert sorted(p.name for p in tmp_path.glob("*.png*")) == ["figure.png", "plot.png"]

@@ -8,8 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from fnt.errors import ConfigError
+from fnt.model import tiny_model
+from fnt.store.transaction import written_by
 from tests.e2e.helpers import REPO
 
 
@@ -37,3 +41,19 @@ def test_weight_matrices_are_random_with_the_configured_spread_and_vectors_const
             assert abs(float(tensor.mean())) < 2e-3, name
         else:
             assert tensor.unique().numel() == 1, name  # norm weights: all ones
+
+
+def test_a_tiny_model_replaces_the_one_written_before_but_no_other_directory(tmp_path):
+    out = tmp_path / "model"
+    tiny_model.main(["--out", str(out)])
+    first = load_file(out / "model.safetensors")
+    tiny_model.main(["--out", str(out), "--seed", "1"])
+    second = load_file(out / "model.safetensors")
+    assert written_by(out) == "fnt make-tiny-model"
+    assert not all(torch.equal(first[name], second[name]) for name in first)
+    (out / "COMPLETE").unlink()  # now a model some other program wrote
+    with pytest.raises(ConfigError, match="did not write it"):
+        tiny_model.main(["--out", str(out)])
+    assert torch.equal(
+        load_file(out / "model.safetensors")["lm_head.weight"], second["lm_head.weight"]
+    )

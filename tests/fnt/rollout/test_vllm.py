@@ -338,12 +338,12 @@ HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
-def serve_config_args(tmp_path) -> list[str]:
-    model = ["--model.name", str(tmp_path / "model")]
+def serve_config_args(model_dir) -> list[str]:
+    model = ["--model.name", str(model_dir)]
     return [*model, "--rollout.prompts", "prompts.jsonl", "--rollout.reward", "similarity"]
 
 
-def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_path):
+def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tiny_model_dir, tmp_path):
     import sys
     from urllib.parse import urlparse
 
@@ -353,12 +353,12 @@ def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_pa
     program.write_text(FAKE_VLLM.format(python=sys.executable, record=str(record)))
     program.chmod(0o755)
     log = tmp_path / "server.log"
-    args = serve_config_args(tmp_path)
+    args = serve_config_args(tiny_model_dir)
     with local_server(args, log, vllm=str(program), extra=["--enforce-eager"]) as server:
         port = urlparse(server.url).port
         ServerClient(server.url, timeout_s=5, retry_s=0).wait_healthy(5)
         started = json.loads(record.read_text())
-    assert started["argv"][:2] == ["serve", str(tmp_path / "model")]
+    assert started["argv"][:2] == ["serve", str(tiny_model_dir)]
     assert started["argv"][started["argv"].index("--port") + 1] == str(port)
     assert started["argv"][-1] == "--enforce-eager" and started["dev"] == "1"
     assert server.process.poll() is not None  # killed, with its process group
@@ -366,14 +366,16 @@ def test_a_local_server_is_started_with_fnt_vllm_serve_and_killed_on_exit(tmp_pa
         ServerClient(server.url, timeout_s=1, retry_s=0).wait_healthy(0)
 
 
-def test_a_local_server_that_exits_at_start_up_is_an_error_showing_its_log(tmp_path):
+def test_a_local_server_that_exits_at_start_up_is_an_error_showing_its_log(
+    tiny_model_dir, tmp_path
+):
     from fnt.apps.vllm_serve import local_server
 
     program = tmp_path / "vllm"
     program.write_text("#!/bin/sh\necho 'no CPU support here' >&2\nexit 1\n")
     program.chmod(0o755)
     with pytest.raises(RuntimeError, match="(?s)exited.*no CPU support here"):
-        with local_server(serve_config_args(tmp_path), tmp_path / "log", vllm=str(program)):
+        with local_server(serve_config_args(tiny_model_dir), tmp_path / "log", vllm=str(program)):
             pass
 
 
