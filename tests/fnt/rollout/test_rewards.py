@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fnt.rollout.rewards import REWARDS, exact_match, reward_function, similarity
+from fnt.errors import ConfigError
+from fnt.rollout.rewards import REWARDS, exact_match, require_reward, reward_function, similarity
 
 
 def length_reward(completion: str, sample: dict) -> float:
@@ -68,3 +69,24 @@ def test_ascii_letters_is_the_share_of_letters():
     assert REWARDS["ascii_letters"]("ab1 ", {}) == 0.5
     assert REWARDS["ascii_letters"]("", {}) == 0.0
     assert REWARDS["ascii_letters"]("é", {}) == 0.0
+
+
+def test_a_reward_module_that_raises_while_imported_is_a_config_error_naming_the_key(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "broken_reward_module.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        require_reward("broken_reward_module:score")
+    assert str(info.value) == (
+        "'rollout.reward' = 'broken_reward_module:score': cannot import module "
+        "'broken_reward_module': it raised RuntimeError: no GPU here; expected "
+        "a reward fn(completion: str, sample: dict) -> float"
+    )
+
+
+def test_require_reward_accepts_what_reward_function_resolves():
+    assert require_reward("similarity") is similarity
+    assert require_reward(f"{__name__}:length_reward") is length_reward
+    with pytest.raises(ConfigError, match=r"^'rollout.reward' = 'similarty': unknown reward"):
+        require_reward("similarty")
