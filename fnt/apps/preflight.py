@@ -34,7 +34,7 @@ from fnt.store.paths import (
     PathLike,
     check_output_dir,
     require_checkpoint,
-    require_run_dir_or_new,
+    require_run_output_dir,
 )
 from fnt.store.rundir import CONFIG_FILE, ckpt_root
 from fnt.store.transaction import output_marker
@@ -57,7 +57,7 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     JSONL sources get their first record checked; parquet/Arrow files and directories only
     their existence; glob patterns and Hugging Face datasets are resolved by the loader. The
     LoRA check comes last, as the costliest (it imports transformers and PEFT)."""
-    require_run_dir_or_new(config.output_dir)
+    require_run_output_dir(config.output_dir)
     check_model_and_data(config, model_name_source)
     is_rl = isinstance(config, RLConfig)
     if is_rl and engine_of(config.rollout).samples_prompts:  # it scores with rollout.reward

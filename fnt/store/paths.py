@@ -12,7 +12,8 @@ says, DataError for data) whose message names the key, option or argument and th
   absent, empty, what the same command wrote before, or replaced with `force`; never a run
   directory, a directory inside one's checkpoints or weights, or one holding what is read;
 - `check_output_file`: likewise for a file a command writes (`written_by_png` recognizes it);
-- `require_run_dir_or_new`: a run's output_dir.
+- `require_run_output_dir`: a run's output_dir holds no one else's file at a name the run
+  writes (config.json).
 They read only: where the system refuses what os.access allows (root "may write" /proc), the
 writer's own first write is the check, and it fails as one line too.
 """
@@ -234,33 +235,25 @@ def written_by_png(path: PathLike) -> Optional[str]:
         return None
 
 
-def require_run_dir_or_new(output_dir: PathLike, key: str = "output_dir") -> None:
-    """ConfigError unless a run may use `output_dir`: absent (and creatable), empty, or a run
-    directory (fnt.rundir.run_entries) whose config.json, if any, is a run's. Anything else is
-    someone else's directory (a model directory, a home directory), whose config.json and more
-    the run would overwrite."""
+def require_run_output_dir(output_dir: PathLike, key: str = "output_dir") -> None:
+    """ConfigError unless a run may write into `output_dir`: it is absent (and can be created)
+    or a directory in which no file the run writes is someone else's. The run writes only its
+    own names (fnt.store.rundir), so other files stay as they are (a log the shell or the scheduler
+    opened there before the run started, say); the one such name other programs use is
+    config.json, which a model directory or another trainer's output has and a run would
+    replace."""
     here = named(key, output_dir)
     path = Path(output_dir)
     if os.path.exists(path) and not path.is_dir():
         raise ConfigError(f"{here}: is a file, not a directory: choose another {key}")
     require_writable_place(path, key)
-    if not path.is_dir():
-        return
-    names = sorted(os.listdir(path))
-    if not names:
-        return
     config = path / CONFIG_FILE
     if config.exists() and not is_run_config(config):
+        names = sorted(os.listdir(path))
         raise ConfigError(
             f"{here}: its {CONFIG_FILE} is not a run's config (no keys "
-            f"{', '.join(RUN_CONFIG_KEYS)}; a model directory's?), and a run would replace it: "
-            f"choose a new or empty {key}"
-        )
-    if not run_entries(path):
-        raise ConfigError(
-            f"{here}: is not a run directory and not empty (it holds {listing(names)}); a run "
-            f"writes {CONFIG_FILE}, metrics and checkpoints into its {key}: choose a new or "
-            "empty directory"
+            f"{', '.join(RUN_CONFIG_KEYS)}), and a run would replace it; the directory holds "
+            f"{listing(names)}, a model's or another program's: choose a new {key}"
         )
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fnt.errors import ConfigError
-from fnt.store.paths import check_output_dir, check_output_file, require_run_dir_or_new
+from fnt.store.paths import check_output_dir, check_output_file, require_run_output_dir
 from fnt.store.rundir import LOCK_FILE, METRICS_FILE, ROLLOUTS_DIR
 from fnt.store.transaction import output_marker, staged_dir_, staged_file_, written_by
 from tests.e2e.helpers import REPO
@@ -183,29 +183,28 @@ def test_a_refused_directory_is_named_with_what_is_there_and_the_ways_out(tmp_pa
     assert "notes.txt" in message and "--force" in message and "new or empty" in message
 
 
-def test_a_run_may_use_a_new_empty_or_run_directory_and_nothing_else(tmp_path):
+def test_a_run_writes_where_no_file_of_its_names_is_someone_elses(tmp_path):
+    places = situations(tmp_path)
     rollouts_only = tmp_path / "external"  # an orchestrator writes rollouts/ before the trainer
     (rollouts_only / ROLLOUTS_DIR).mkdir(parents=True)
-    resolved = tmp_path / "resolved"
-    make_run_dir(resolved)
+    resolved = make_run_dir(tmp_path / "resolved")
     (resolved / "config.json").write_text(
         json.dumps({"output_dir": str(resolved), "model": {}, "max_steps": 2})
     )
-    places = situations(tmp_path)
-    for ok in (tmp_path / "new", places["empty"], rollouts_only, resolved):
-        require_run_dir_or_new(ok)
+    logged = tmp_path / "logged"  # a scheduler opened the job's log there before the run
+    logged.mkdir()
+    (logged / "slurm-17.out").write_text("")
+    for ok in ("absent", "empty", "run directory"):
+        require_run_output_dir(places[ok])
+    for ok in (rollouts_only, resolved, logged, places["foreign"]):
+        require_run_output_dir(ok)
     model = tmp_path / "model"
     make_run_dir(model)  # even among a run's files, a model's config.json is not the run's
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    refused = {
-        "foreign": "is not a run directory and not empty",
-        "a file": "is a file, not a directory",
-        "model": "config.json is not a run's config",
-    }
-    places["model"] = model
-    for name, message in refused.items():
-        with pytest.raises(ConfigError, match=f"^'output_dir' = .*{message}"):
-            require_run_dir_or_new(places[name])
+    with pytest.raises(ConfigError, match="^'output_dir' = .*config.json is not a run's config"):
+        require_run_output_dir(model)
+    with pytest.raises(ConfigError, match="^'output_dir' = .*: is a file, not a directory"):
+        require_run_output_dir(places["a file"])
 
 
 def test_an_output_file_is_replaced_only_when_the_command_signed_it(tmp_path):
