@@ -242,7 +242,7 @@ def world(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     (world / "foreign").mkdir()
     (world / "foreign" / "notes.txt").write_text("someone else's\n")
     shutil.copytree(tiny_model_dir, world / "hf-model")
-    (world / "hf-model" / "COMPLETE").unlink()
+    (world / "hf-model" / "COMPLETE").unlink(missing_ok=True)
     (world / "dir.png").mkdir()
     # A PNG signature and nothing of fnt's: a figure some other program wrote.
     (world / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 32)
