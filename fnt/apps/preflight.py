@@ -1,4 +1,4 @@
-"""Input checks that run before anything heavy, for every command: model and tokenizer files, data
+"""Every command's input checks, made before anything heavy. They cover model, tokenizer, data
 and prompts files, the resume step, references to the user's functions, LoRA's target modules,
 checkpoints to read and the places outputs go. Side effects: reads those files and directories
 (the first record of each data file only), imports the modules a "module:function" reference

@@ -1,5 +1,6 @@
-"""The rules of the paths commands read and write, shared by every command's up-front checks
-(fnt.apps.preflight) and by the writers themselves. Side effects: reads files and directories.
+"""The rules of the paths commands read and write: what must exist, be a checkpoint, be writable
+or be free to write. Side effects: reads files and directories. Every command's up-front checks
+(fnt.apps.preflight) and the writers themselves use them.
 
 Each rule raises one ConfigError (a CheckpointError for a checkpoint; `error` where the caller
 says, DataError for data) whose message names the key, option or argument and the path
