@@ -114,7 +114,7 @@ ROWS = [
     Row("rl", "bad reference", "reward name misspelled",
         (*RL_NEW, "--rollout.reward", "rewards_x"), "unknown reward 'rewards_x'"),
     Row("rl", "bad reference", "reward function the module lacks",
-        (*RL_NEW, "--rollout.reward", "fnt.rewards:no_such_reward"), "has no attribute"),
+        (*RL_NEW, "--rollout.reward", "fnt.rollout.rewards:no_such_reward"), "has no attribute"),
     Row("rl", "wrong signature", "reward takes one positional argument",
         (*RL_NEW, "--rollout.reward", "json:dumps"), "cannot take 2 positional arguments"),
     Row("rl", "bad reference", "custom loss module cannot be imported",

@@ -317,5 +317,7 @@ def test_a_monitor_that_cannot_start_closes_those_before_it(tmp_path):
     ],
 )
 def test_a_bad_monitor_reference_is_one_config_error(name, problem):
-    with pytest.raises(ConfigError, match=rf"'monitors\[0\]': .*{problem}.*Class\(config"):
+    with pytest.raises(
+        ConfigError, match=rf"^'monitors\[0\]' = '{name}': .*{problem}.*Class\(config"
+    ):
         validate(Config(monitors=(name,)), 1)
