@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     sft_dir, sft_hf = runs / "reverse-sft", runs / "reverse-sft-hf"
     rl_dir, rl_hf = runs / "reverse-rl", runs / "reverse-rl-hf"
     dpo_dir, dpo_hf = runs / "reverse-dpo", runs / "reverse-dpo-hf"
-    for stale in (sft_dir, sft_hf, rl_dir, rl_hf, dpo_dir, dpo_hf):  # a rerun starts over
+    # A rerun starts over (the model too: make-tiny-model replaces only a model it marked, and
+    # one written by an older fnt has no mark).
+    for stale in (model, sft_dir, sft_hf, rl_dir, rl_hf, dpo_dir, dpo_hf):
         shutil.rmtree(stale, ignore_errors=True)
     started = time.time()
     seconds: dict[str, float] = {}  # wall time of each stage: its run, export and eval
