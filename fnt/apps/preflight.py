@@ -23,7 +23,8 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from fnt.config import Config, DPOConfig, RLConfig, engine_of
+from fnt.config import Config, DPOConfig, RLConfig, RolloutConfig, engine_of
+from fnt.config.references import ENVIRONMENT_SHAPE, require_function
 from fnt.config.schema import source_kind
 from fnt.errors import CheckpointError, ConfigError, DataError, named
 from fnt.resume import resolve_resume_step
@@ -60,8 +61,8 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     require_run_output_dir(config.output_dir)
     check_model_and_data(config, model_name_source)
     is_rl = isinstance(config, RLConfig)
-    if is_rl and engine_of(config.rollout).samples_prompts:  # it scores with rollout.reward
-        require_reward(config.rollout.reward)
+    if is_rl and engine_of(config.rollout).samples_prompts:  # it runs the episodes itself
+        require_episodes(config.rollout)
         first = first_record(config.rollout.prompts, "rollout.prompts")
         from fnt.rollout.prompts import prompt_messages
 
@@ -102,6 +103,16 @@ def check_model_and_data(config: Config, model_name_source: str) -> None:
 
         for first, source in firsts:
             check_record(first, lambda r, s=source: conversation_from_record(chat_record(r, s)))
+
+
+def require_episodes(rollout: RolloutConfig) -> None:
+    """ConfigError unless what runs the episodes can be found: rollout.environment's factory
+    (imported, taking the rollout config), or without one rollout.reward. The factory is not
+    called here (a user's may start tools or servers): the protocol check waits for the run."""
+    if rollout.environment:
+        require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
+    else:
+        require_reward(rollout.reward)
 
 
 def require_lora_targets(config: Config) -> None:

@@ -1,9 +1,9 @@
-"""The "module:function" references a config names (a reward, a custom loss, a monitor),
-resolved and checked. Pure, except that resolving a reference imports its module.
+"""The "module:function" references a config names (a reward, a custom loss, a monitor, an
+environment), resolved and checked. Pure, except that resolving a reference imports its module.
 
 `require_function` is the up-front check every such key goes through (validation for
-loss.custom and monitors, the preflight for rollout.reward): a ConfigError naming the key, what
-is wrong and the shape expected, before any model is built.
+loss.custom and monitors, the preflight for rollout.reward and rollout.environment): a
+ConfigError naming the key, what is wrong and the shape expected, before any model is built.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fnt.errors import ConfigError, named
+
+# What rollout.environment must name (its messages say so; fnt.rollout.environments calls it).
+ENVIRONMENT_SHAPE = "a factory fn(rollout) returning an environment (fnt.rollout.environments)"
 
 
 def import_function(name: str, num_args: int) -> Callable[..., Any]:

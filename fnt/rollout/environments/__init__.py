@@ -11,7 +11,8 @@ with rollout.reward.
 from __future__ import annotations
 
 from fnt.config import RolloutConfig
-from fnt.config.references import import_function
+from fnt.config.references import ENVIRONMENT_SHAPE, require_function
+from fnt.errors import ConfigError
 from fnt.rollout.environments.feedback import FeedbackEnvironment
 from fnt.rollout.environments.protocol import Environment, Reply, Start
 from fnt.rollout.environments.single_turn import SingleTurnEnvironment
@@ -36,16 +37,13 @@ def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
     called with the rollout config, or the single-turn environment with rollout.reward."""
     if not rollout.environment:
         return SingleTurnEnvironment(reward_function(rollout.reward)), f"reward {rollout.reward!r}"
-    try:
-        factory = import_function(rollout.environment, 1)
-    except ValueError as e:
-        raise ValueError(f"'rollout.environment' = {e}") from None
+    factory = require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
     environment = factory(rollout)
     missing = [
         m for m in ("start", "respond", "score") if not callable(getattr(environment, m, None))
     ]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"'rollout.environment' = {rollout.environment!r}: the factory returned "
             f"{type(environment).__name__}, which lacks {', '.join(missing)} "
             "(fnt.rollout.environments.protocol)"
