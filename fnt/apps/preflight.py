@@ -52,14 +52,17 @@ TOKENIZER_FILES = (
 
 
 def check_inputs(config: Config, model_name_source: str) -> None:
-    """Everything checkable before the model is built, for `fnt sft` and `fnt rl`; raises
+    """Everything checkable before the model is built, for `fnt sft`, `fnt rl` and `fnt dpo`; raises
     ConfigError or DataError. Reads only: nothing is written until every check has passed.
 
     JSONL sources get their first record checked; parquet/Arrow files and directories only
     their existence; glob patterns and Hugging Face datasets are resolved by the loader. The
     LoRA check comes last, as the costliest (it imports transformers and PEFT)."""
     require_run_output_dir(config.output_dir)
-    check_model_and_data(config, model_name_source)
+    require_model(config, model_name_source)
+    for key, reference in reference_models(config):
+        require_model_dir(reference, key=key)
+    check_data(config)
     is_rl = isinstance(config, RLConfig)
     if is_rl and engine_of(config.rollout).samples_prompts:  # it runs the episodes itself
         require_episodes(config.rollout)
@@ -72,13 +75,35 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     require_lora_targets(config)
 
 
+def reference_models(config: Config) -> list[tuple[str, str]]:
+    """(key, directory) of each reference policy the config names (RL's loss.ref_model, DPO's
+    dpo.ref_model); empty ones mean model.name, which is checked already. Pure."""
+    named_refs = []
+    if isinstance(config, RLConfig):
+        named_refs.append(("loss.ref_model", config.loss.ref_model))
+    if isinstance(config, DPOConfig):
+        named_refs.append(("dpo.ref_model", config.dpo.ref_model))
+    return [(key, path) for key, path in named_refs if path]
+
+
 def check_model_and_data(config: Config, model_name_source: str) -> None:
-    """The model directory, its tokenizer where one is needed, and the first record of each
-    JSONL data source (SFT's data.sources and val.sources); what `fnt show-data` reads too."""
+    """What `fnt show-data` reads: `require_model` and `check_data`."""
+    require_model(config, model_name_source)
+    check_data(config)
+
+
+def require_model(config: Config, model_name_source: str) -> None:
+    """The model directory, and its tokenizer where one is needed."""
     require_model_dir(config.model.name, model_name_source)
     is_rl = isinstance(config, RLConfig)
     if is_rl or config.data.kind == "sources":
         require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "sources"')
+
+
+def check_data(config: Config) -> None:
+    """The first record of each JSONL data source (data.sources, unless RL, and val.sources)
+    and the existence of the other local sources."""
+    is_rl = isinstance(config, RLConfig)
     # Each file is read before the module with its record rules is imported (that costs torch).
     sources = [(f"val.sources[{i}]", s) for i, s in enumerate(config.val.sources)]
     if not is_rl and config.data.kind == "sources":
@@ -156,8 +181,9 @@ def export_marker(checkpoint: PathLike, dtype: Optional[str], merge: bool) -> st
     return output_marker(EXPORT, checkpoint=os.path.abspath(checkpoint), dtype=dtype, merge=merge)
 
 
-def require_model_dir(name: str, source: str) -> None:
-    """Raise ConfigError unless `name` is a directory holding a Hugging Face config.json.
+def require_model_dir(name: str, source: str = "", key: str = "model.name") -> None:
+    """Raise ConfigError unless `name` (the value of `key`, from `source` when known) is a
+    directory holding a Hugging Face config.json.
 
     Checked up front because from_pretrained, given a missing directory, fails only after the
     heavy imports, with a message about the Hugging Face Hub.
@@ -165,8 +191,9 @@ def require_model_dir(name: str, source: str) -> None:
     if name and os.path.isfile(os.path.join(name, "config.json")):
         return
     target = shlex.quote(name) if name else "DIR"
+    came_from = f" ({source})" if source else ""
     raise ConfigError(
-        f"'model.name' = {name!r} ({source}): no Hugging Face model there (expected a directory "
+        f"'{key}' = {name!r}{came_from}: no Hugging Face model there (expected a directory "
         "with config.json); point it at a local model directory, or for a tiny test model (the "
         f"debug configs use one) create it with: fnt make-tiny-model --out {target}"
     )

@@ -224,13 +224,12 @@ def validate_preference(config: DPOConfig) -> None:
     )
     if dpo.loss == "custom":
         require(bool(dpo.custom), "dpo.custom", 'dpo.loss = "custom" needs "module:function" here')
-        try:
-            import_function(dpo.custom, 2)
-        except ValueError as e:
-            raise ConfigError(
-                f"'dpo.custom' = {dpo.custom!r}: {e}; expected a loss fn(pairs, config) -> one "
-                "value per pair (see steps/dpo_losses.py)"
-            ) from None
+        require_function(
+            dpo.custom,
+            "dpo.custom",
+            2,
+            "a loss fn(pairs, config) -> one value per pair (see steps/dpo_losses.py)",
+        )
     else:
         require(
             not dpo.custom,

@@ -1,6 +1,7 @@
 """Bad input to any command: exit status 2, exactly one `error:` line on stderr, no traceback,
 nothing written or changed on disk, and no torch imported where no model needs building (a
-LoRA row builds the model on the meta device: then no training module, so no weights).
+row that checks LoRA's targets on the meta device, or a data record, may import torch, but no
+module that reads weights or trains).
 
 ROWS is the table: a row per command and kind of bad input (CASES). A new command adds its rows
 (`test_every_command_has_rows` fails until it does): the command, the case, what is wrong, the
@@ -41,7 +42,9 @@ class Row:
     what: str
     args: tuple[str, ...]
     error: str  # a part of the one error line
-    meta_build: bool = False  # builds the model on the meta device (LoRA's targets)
+    # It may import torch, for LoRA's targets (the model built on the meta device) or a data
+    # record check, but reads no weights and trains nothing: fnt.build and fnt.loop stay out.
+    imports_torch: bool = False
 
     @property
     def id(self) -> str:
@@ -68,6 +71,15 @@ RL = (
     "<repo>/examples/debug/prompts.jsonl",
 )
 SFT_NEW, RL_NEW = (*SFT, "--output-dir", "<world>/sft-run"), (*RL, "--output-dir", "<world>/rl")
+DPO = (
+    "--config",
+    "<repo>/examples/debug/dpo.toml",
+    "--model.name",
+    "<model>",
+    "--data.sources",
+    '[{"path": "<repo>/examples/debug/pairs.jsonl"}]',
+)
+DPO_NEW = (*DPO, "--output-dir", "<world>/dpo")
 VLLM = (*RL, "--rollout.engine", "vllm", "--rollout.vllm.urls", '["http://127.0.0.1:8000"]')
 DATA = ("--data.kind", "sources", "--data.sources")
 LORA = ("--model.lora.rank", "4")
@@ -96,7 +108,7 @@ ROWS = [
         (*SFT, "--output-dir", "<model>"), "config.json is not a run's config"),
     Row("sft", "bad reference", "a LoRA target module the model lacks",
         (*SFT_NEW, *LORA, "--model.lora.target_modules", '["nonexistent_proj"]'),
-        "'model.lora.target_modules' = ['nonexistent_proj']", meta_build=True),
+        "'model.lora.target_modules' = ['nonexistent_proj']", imports_torch=True),
     # fnt rl
     Row("rl", "missing path", "prompts file missing",
         (*RL_NEW, "--rollout.prompts", "<world>/missing.jsonl"), "'rollout.prompts' ="),
@@ -131,7 +143,33 @@ ROWS = [
         "cannot take 2 positional arguments"),
     Row("rl", "bad reference", "a LoRA modules_to_save the model lacks",
         (*RL_NEW, *LORA, "--model.lora.modules_to_save", '["no_such_head"]'),
-        "has no module named 'no_such_head'", meta_build=True),
+        "has no module named 'no_such_head'", imports_torch=True),
+    Row("rl", "missing path", "reference model missing",
+        (*RL_NEW, "--loss.ref_model", "<world>/no-ref"),
+        "'loss.ref_model' = '<world>/no-ref': no Hugging Face model there"),
+    # fnt dpo
+    Row("dpo", "missing path", "model.name missing",
+        (*DPO_NEW, "--model.name", "<world>/no-model"), "no Hugging Face model there"),
+    Row("dpo", "missing path", "pairs file missing",
+        (*DPO_NEW, "--data.sources", '[{"path": "<world>/missing.jsonl"}]'), "cannot read it"),
+    Row("dpo", "missing path", "reference model missing",
+        (*DPO_NEW, "--dpo.ref_model", "<world>/no-ref"),
+        "'dpo.ref_model' = '<world>/no-ref': no Hugging Face model there"),
+    Row("dpo", "wrong kind of path", "output_dir is a file",
+        (*DPO, "--output-dir", FILE), "is a file, not a directory"),
+    # Root "may write" /proc (os.access), so there the lock's mkdir is the check, after the
+    # pairs file's first record is checked, which imports torch.
+    Row("dpo", "unwritable output", "output_dir where nothing can be created",
+        (*DPO, "--output-dir", f"{UNWRITABLE}/dpo"), f"'output_dir' = '{UNWRITABLE}/dpo'",
+        imports_torch=True),
+    Row("dpo", "non-empty output", "output_dir is a model directory",
+        (*DPO, "--output-dir", HF_MODEL), "config.json is not a run's config"),
+    Row("dpo", "bad reference", "custom loss module cannot be imported",
+        (*DPO_NEW, "--dpo.loss", "custom", "--dpo.custom", "nosuchmod:loss"),
+        "'dpo.custom' = 'nosuchmod:loss': cannot import module"),
+    Row("dpo", "wrong signature", "custom loss takes one positional argument",
+        (*DPO_NEW, "--dpo.loss", "custom", "--dpo.custom", "json:dumps"),
+        "cannot take 2 positional arguments"),
     # fnt export
     Row("export", "missing path", "--checkpoint missing",
         ("--checkpoint", "<world>/no-ckpt", "--out", "<world>/hf"), "no such directory"),
@@ -266,7 +304,7 @@ def results(world, tmp_path_factory) -> dict[str, dict]:
         {
             "argv": [row.command, *(fill(arg, world) for arg in row.args)],
             "cwd": str(world["world"]),  # a default output (plot.png) would land in a root
-            "preload": row.meta_build,
+            "preload": row.imports_torch,
         }
         for row in ROWS
     ]
@@ -301,7 +339,7 @@ def test_bad_input_is_one_line_exit_2_before_any_work_and_changes_nothing(row, r
     assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
     assert fill(row.error, world) in lines[0], lines[0]
     assert result["changed"] == [], result["changed"]
-    if row.meta_build:  # the model on the meta device, but nothing that reads weights or trains
+    if row.imports_torch:
         assert not {"fnt.build", "fnt.loop"} & set(result["heavy"]), result["heavy"]
     else:
         assert result["heavy"] == [], result["heavy"]
