@@ -164,9 +164,7 @@ def vllm_serve(argv: list[str]) -> None:
 
 
 def make_tiny_model(argv: list[str]) -> None:
-    # Not `from fnt.model import tiny_model`: that asks the package for the name first, and its
-    # lazy names import fnt.model.loading (torch) before --out is checked.
-    from fnt.model.tiny_model import main
+    from fnt.model.tiny_model import main  # torch only once --out is checked
 
     main(argv)
 

@@ -7,9 +7,14 @@ replaced), loaded on first use so that importing a sibling stays light.
 """
 
 from importlib import import_module
+from importlib.util import find_spec
 
 
 def __getattr__(name: str):
+    # `from fnt.model import tiny_model` asks for the submodule's name first: import that
+    # submodule alone, not loading (and torch with it).
+    if not name.startswith("_") and find_spec(f"{__name__}.{name}") is not None:
+        return import_module(f"{__name__}.{name}")
     loading = import_module("fnt.model.loading")
     try:
         return getattr(loading, name)

@@ -239,3 +239,14 @@ def test_importing_the_core_loads_no_plugin_and_the_library_never_loads_steps():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"plugins_of_the_core": [], "steps": False}
+
+
+def test_a_submodule_of_fnt_model_loads_without_the_loader():
+    """fnt.model's lazy names (the module it replaced) must not load fnt.model.loading, and
+    torch with it, for `from fnt.model import tiny_model`."""
+    probe = (
+        "import sys; from fnt.model import tiny_model; "
+        "print('fnt.model.loading' in sys.modules, tiny_model.__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.split() == ["False", "fnt.model.tiny_model"], done.stderr
