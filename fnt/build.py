@@ -15,6 +15,7 @@ driver's decision (fnt.start).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial as bind
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -95,17 +96,17 @@ def policy_publisher(config: Config) -> Optional[Callable[[TrainState], Any]]:
 
 def data_cache(config: Config, runtime: Runtime):
     """The cache of tokenized sources (fnt.data.cache): data.cache_dir, or the run's own
-    data_cache/; its work split over the ranks, with the process group's barrier."""
-    import torch.distributed as dist
-
+    data_cache/; its work split over the ranks, which gather what they found over the process
+    group."""
     from fnt.data.cache import DataCache
+    from fnt.dist.collectives import all_gather_objects
 
     directory = Path(config.data.cache_dir or Path(config.output_dir) / DATA_CACHE_DIR)
     return DataCache(
         directory,
         rank=runtime.rank,
         world_size=runtime.world_size,
-        barrier=dist.barrier if runtime.distributed else (lambda: None),
+        gather=bind(all_gather_objects, distributed=runtime.distributed),
     )
 
 

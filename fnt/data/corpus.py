@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -90,6 +90,10 @@ class Corpus:
     fates: tuple[SampleFate, ...]
     notes: tuple[str, ...] = ()
     """What a reader of the data should know (one line each), printed at the start by rank 0."""
+    records: Optional[Tensor] = None  # [num_samples] int64, each sample's record in its source
+    cache_entries: tuple[str, ...] = ()
+    """Per source, the cache entry its samples were read from ("" when tokenized by this run),
+    for the messages that locate a sample."""
 
     @staticmethod
     def build(
@@ -106,24 +110,27 @@ class Corpus:
                 targets.extend(sample_targets)
                 lengths.append(len(sample_ids))
                 fates.append(fate)
-            parts.append((name, ids, targets, lengths, fates))
+            parts.append((name, ids, targets, lengths, fates, range(len(lengths))))
         return Corpus.from_parts(parts)
 
     @staticmethod
     def from_parts(
-        parts: Sequence[tuple[str, array, array, Sequence[int], Sequence[int]]],
+        parts: Sequence[tuple[str, array, array, Sequence[int], Sequence[int], Sequence[int]]],
+        cache_entries: tuple[str, ...] = (),
     ) -> Corpus:
         """A corpus from each source's samples back to back: (name, ids, targets, per-sample
-        lengths, per-sample SampleFate values), as fnt.data.cache keeps them."""
-        ids, targets = array("q"), array("b")
+        lengths, per-sample SampleFate values, per-sample record indices), as fnt.data.cache
+        keeps them; `cache_entries` as the field says."""
+        ids, targets, records = array("q"), array("b"), array("q")
         offsets, fates, names, sizes = [0], [], [], []
-        for name, part_ids, part_targets, lengths, part_fates in parts:
+        for name, part_ids, part_targets, lengths, part_fates, part_records in parts:
             if len(part_ids) != len(part_targets) or sum(lengths) != len(part_ids):
                 raise ValueError("a sample needs one target flag per token")
             names.append(name)
             sizes.append(len(lengths))
             ids.extend(part_ids)
             targets.extend(part_targets)
+            records.extend(part_records)
             for length in lengths:
                 offsets.append(offsets[-1] + length)
             fates.extend(SampleFate(f) for f in part_fates)
@@ -134,6 +141,8 @@ class Corpus:
             target_mask=_to_tensor(targets, torch.int8).bool(),
             offsets=tuple(offsets),
             fates=tuple(fates),
+            records=_to_tensor(records, torch.int64),
+            cache_entries=cache_entries,
         )
 
     @property

@@ -122,9 +122,10 @@ def load_corpus(
     ]
     corpus = Corpus.from_parts(
         [
-            (name, samples.ids, samples.targets, samples.lengths, samples.fates)
-            for name, samples in parts
-        ]
+            (name, samples.ids, samples.targets, samples.lengths, samples.fates, samples.records)
+            for name, (samples, _) in parts
+        ],
+        cache_entries=tuple(entry for _, (_, entry) in parts),
     )
     first_id = 0
     for source, size in zip(sources, corpus.source_sizes):
@@ -141,7 +142,7 @@ def load_corpus(
         f"{source_label(source)}: {len(samples.trailing)} chats end with turns that "
         f"data.loss_mask does not train (the first at {samples.trailing[0][1]}); those turns "
         "were left out"
-        for source, (_, samples) in zip(sources, parts)
+        for source, (_, (samples, _)) in zip(sources, parts)
         if samples.trailing
     )
     return dataclasses.replace(corpus, notes=notes)
@@ -156,11 +157,13 @@ def source_samples(
     masking: ChatMasking,
     progress: bool,
     cache: DataCache | None,
-) -> SourceSamples:
-    """A source's fitted samples: from `cache` when it holds them (else tokenized, split over
-    the cache's ranks, and kept there), or tokenized here without a cache. Every record is
-    first checked in a quick pass that does not tokenize (`check_records`), so a bad line is
-    reported as soon as it is read."""
+) -> tuple[SourceSamples, str]:
+    """A source's fitted samples, and the cache entry they were read from ("" when they were
+    tokenized now): from `cache` when it holds them and they pass its check (else tokenized,
+    split over the cache's ranks, and kept there; rank 0 prints a line for each damaged entry
+    or share it replaced), or tokenized here without a cache. Every record is first checked in
+    a quick pass that does not tokenize (`check_records`), so a bad line is reported as soon as
+    it is read."""
 
     def tokenize(rank: int, world_size: int) -> SourceSamples:
         check_records(source, progress)
@@ -202,21 +205,26 @@ def cached_samples(
     settings: dict[str, Any],
     cache: DataCache | None,
     progress: bool,
-) -> SourceSamples:
+) -> tuple[SourceSamples, str]:
     """`tokenize(rank, world_size)` of a source through `cache` (keyed by the source, its
     contents, the tokenizer and `settings`), or run once here without a cache; DataError for the
-    first bad record."""
+    first bad record. Also the cache entry the samples were read from ("" when they were
+    tokenized now). An entry or share that fails the cache's check is replaced, and rank 0
+    prints one line for each."""
     if cache is None:
         samples = tokenize(0, 1)
         if samples.error is not None:
             raise DataError(samples.error[1])
-        return samples
+        return samples, ""
     key = cache_key(source, source_files(source), tokenizer, settings)
-    hit = (cache.directory / f"{key}.pt").is_file()
-    samples = cache.load(key, tokenize)
-    if hit:
-        say(progress, f"{source_label(source)}: tokenized samples from the cache {cache.directory}")
-    return samples
+    read = cache.load(key, tokenize)
+    if cache.rank == 0:
+        for problem in read.problems:  # on every start, whether the progress shows or not
+            print(problem, flush=True)
+    if not read.hit:
+        return read.samples, ""
+    say(progress, f"{source_label(source)}: tokenized samples from the cache {cache.directory}")
+    return read.samples, str(cache.entry(key))
 
 
 def check_records(

@@ -296,7 +296,7 @@ def load_pair_corpus(
         raise ValueError(
             f"data source names must be unique (they key metrics); repeated: {repeated}"
         )
-    parts = []
+    parts, entries = [], []
     for source in sources:
         settings = {
             "format": PAIRS_FORMAT,
@@ -316,11 +316,19 @@ def load_pair_corpus(
                 progress=progress,
             )
 
-        samples = cached_samples(source, tokenizer, tokenize, settings, cache, progress)
+        samples, entry = cached_samples(source, tokenizer, tokenize, settings, cache, progress)
         parts.append(
-            (source_name(source), samples.ids, samples.targets, samples.lengths, samples.fates)
+            (
+                source_name(source),
+                samples.ids,
+                samples.targets,
+                samples.lengths,
+                samples.fates,
+                samples.records,
+            )
         )
-    corpus = PairCorpus(Corpus.from_parts(parts))
+        entries.append(entry)
+    corpus = PairCorpus(Corpus.from_parts(parts, cache_entries=tuple(entries)))
     first = 0
     for source, size in zip(sources, corpus.source_sizes):
         fates = corpus.fates[first : first + size]
