@@ -198,12 +198,11 @@ def read_entry(path: Path) -> SourceSamples:
         raise EntryProblem(f"{path}: holds arrays {sorted(layout)}, not a cache entry's")
     view = memoryview(data)[8 + size :]
     digest = entry_digest(
-        (name, dtype, shape, view[start:end]) for name, (dtype, shape, (start, end)) in layout.items()
+        (name, dtype, shape, view[start:end])
+        for name, (dtype, shape, (start, end)) in layout.items()
     )
     if digest != meta.get(HASH):
-        raise EntryProblem(
-            f"{path}: contents differ from its recorded checksum (damaged on disk)"
-        )
+        raise EntryProblem(f"{path}: contents differ from its recorded checksum (damaged on disk)")
     from safetensors.numpy import load
 
     try:
