@@ -178,10 +178,10 @@ def read_entry(path: Path) -> SourceSamples:
     try:
         header = json.loads(data[8 : 8 + size])
         meta = header.pop("__metadata__", None) or {}
-        layout = {
-            name: (d["dtype"], list(d["shape"]), [int(o) for o in d["data_offsets"]])
-            for name, d in header.items()
-        }
+        layout = {}
+        for name, d in header.items():
+            start, end = d["data_offsets"]
+            layout[name] = (d["dtype"], list(d["shape"]), (int(start), int(end)))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise EntryProblem(f"{path}: unreadable header ({exc}), not a cache entry") from None
     if meta.get("format") != str(CACHE_FORMAT):
