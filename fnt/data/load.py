@@ -418,6 +418,27 @@ def source_label(source: DataSource) -> str:
     return source.path
 
 
+def record_location(source: DataSource, record: int) -> str:
+    """The location of record `record` (0-based, in the source's order), read again: `file,
+    line N` for a JSONL file, `file, row index i` for a columnar one."""
+    for index, (location, _) in enumerate(source_records(source)):
+        if index == record:
+            return location
+    return f"{source_label(source)}, record {record} (no longer there)"
+
+
+def sample_origin(corpus: Corpus, sources: Sequence[DataSource], sample: int) -> tuple[str, str]:
+    """Where sample `sample` of a corpus read from `sources` came from: its record's location
+    (`record_location`, read again now: only for a message) and the cache entry its tokens were
+    read from ("" when this run tokenized them)."""
+    s = corpus.source_of(sample)
+    if corpus.records is None or s >= len(sources):
+        where = f"source {corpus.source_names[s]!r}, sample {sample}"
+    else:
+        where = record_location(sources[s], int(corpus.records[sample]))
+    return where, dict(enumerate(corpus.cache_entries)).get(s, "")
+
+
 def source_records(source: DataSource) -> Iterator[tuple[str, object]]:
     """(location, record) of every record of a source, in its fixed order."""
     kind = source_kind(source)

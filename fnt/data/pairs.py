@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from fnt.batch import PackedRows, PairBatch, PairMicroBatch
+from fnt.batch import BadToken, PackedRows, PairBatch, PairMicroBatch
 from fnt.config.schema import repeated_source_names, source_name
 from fnt.data.cache import DataCache, SourceSamples
 from fnt.data.chat import ChatMasking, chat_masking, conversation_from_record, tokenize_conversation
@@ -53,6 +53,7 @@ from fnt.data.load import (
     check_records,
     fitted_share,
     masking_settings,
+    sample_origin,
     source_label,
 )
 from fnt.data.order import SampleOrder
@@ -388,6 +389,8 @@ class PairData(Stateless):
     pad_token_id: int
     reference: Optional[Tensor] = None
     """[num_pairs, 2] float32: every pair's reference logprobs (dpo.precompute_reference)."""
+    sources: tuple[DataSource, ...] = ()
+    """The pair sources the corpus was read from, in its order (for `locate`)."""
 
     def __post_init__(self) -> None:
         check_batch_layout(
@@ -396,12 +399,36 @@ class PairData(Stateless):
 
     def batch(self, progress: Progress) -> PairBatch:
         """This rank's batch of the update after `progress`."""
-        start = progress.data
-        self.order.check(start)
-        plan = plan_step(
-            self.order, start, self.corpus.length, seq_len=self.seq_len, batch_size=self.batch_size
+        return self.rank_batch(self.plan(progress))
+
+    def plan(self, progress: Progress) -> StepPlan:
+        """The global plan of the update after `progress`."""
+        self.order.check(progress.data)
+        return plan_step(
+            self.order,
+            progress.data,
+            self.corpus.length,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
         )
-        return self.rank_batch(plan)
+
+    def locate(self, progress: Progress, bad: BadToken) -> str:
+        """Where a token of this rank's batch after `progress` comes from: its pair's record
+        (read again now: only for a message), the side and the token's place in it, and the
+        cache entry the tokens were read from."""
+        rows = rank_share(
+            self.plan(progress).rows, self.dp_rank, self.dp_size, what="rows per step"
+        )
+        row = rows[bad.micro_batch * self.micro_batch_size + bad.row]
+        if bad.document >= 2 * len(row):  # each pair is two documents: chosen, rejected
+            return (
+                f"the padding of update {progress.step + 1}'s row {bad.row} in micro-batch "
+                f"{bad.micro_batch} (the tokenizer's pad token)"
+            )
+        pair, side = row[bad.document // 2], bad.document % 2
+        where, entry = sample_origin(self.corpus.sides, self.sources, 2 * pair + side)
+        cached = f" (read from the cache entry {entry})" if entry else ""
+        return f"{where}, token {bad.offset} of its {SIDES[side]} side{cached}"
 
     def rank_batch(self, plan: StepPlan) -> PairBatch:
         """This rank's share of a planned step, as micro-batches, with the step's data metrics
@@ -466,4 +493,5 @@ def load_pair_data(
         dp_rank,
         dp_size,
         pad_token_id=pad_token_id(tokenizer),
+        sources=tuple(data_cfg.sources),
     )

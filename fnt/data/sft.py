@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from fnt.batch import SftBatch
+from fnt.batch import BadToken, SftBatch
 from fnt.data.cache import DataCache
 from fnt.data.chat import chat_masking
 from fnt.data.corpus import Corpus
-from fnt.data.load import DataSource, load_corpus
+from fnt.data.load import DataSource, load_corpus, sample_origin
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
 from fnt.dist.parallel import check_batch_layout, rank_share
@@ -48,6 +48,8 @@ class SourceData(Stateless):
     dp_rank: int
     dp_size: int
     pad_token_id: int
+    sources: tuple[DataSource, ...] = ()
+    """The data sources the corpus was read from, in its order (for `locate`)."""
 
     def __post_init__(self) -> None:
         check_batch_layout(
@@ -57,13 +59,8 @@ class SourceData(Stateless):
     def batch(self, progress: Progress) -> SftBatch:
         """This rank's batch of the update after `progress`: it starts at `progress.data` and
         ends at its `data_after`."""
-        start = progress.data
-        self.order.check(start)
-        plan = plan_step(
-            self.order, start, self.corpus.length, seq_len=self.seq_len, batch_size=self.batch_size
-        )
         return rank_batch(
-            plan,
+            self.plan(progress),
             self.corpus,
             seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size,
@@ -71,6 +68,33 @@ class SourceData(Stateless):
             dp_size=self.dp_size,
             pad_token_id=self.pad_token_id,
         )
+
+    def plan(self, progress: Progress) -> StepPlan:
+        """The global plan of the update after `progress`."""
+        self.order.check(progress.data)
+        return plan_step(
+            self.order,
+            progress.data,
+            self.corpus.length,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+        )
+
+    def locate(self, progress: Progress, bad: BadToken) -> str:
+        """Where a token of this rank's batch after `progress` comes from: its sample's record
+        (`file, line N`, read again now), the token's place in the sample, and the cache entry
+        the sample's tokens were read from. Only for a message, so it may take its time."""
+        plan = self.plan(progress)
+        rows = rank_share(plan.rows, self.dp_rank, self.dp_size, what="rows per step")
+        row = rows[bad.micro_batch * self.micro_batch_size + bad.row]
+        if bad.document >= len(row):
+            return (
+                f"the padding of update {progress.step + 1}'s row {bad.row} in micro-batch "
+                f"{bad.micro_batch} (the tokenizer's pad token)"
+            )
+        where, entry = sample_origin(self.corpus, self.sources, row[bad.document])
+        cached = f" (read from the cache entry {entry})" if entry else ""
+        return f"{where}, token {bad.offset} of its sample{cached}"
 
 
 def load_source_data(
@@ -107,7 +131,15 @@ def load_source_data(
         shuffle=data_cfg.shuffle,
     )
     return SourceData(
-        corpus, order, seq_len, batch_size, micro_batch_size, dp_rank, dp_size, pad_token_id=pad
+        corpus,
+        order,
+        seq_len,
+        batch_size,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        pad_token_id=pad,
+        sources=tuple(data_cfg.sources),
     )
 
 

@@ -22,16 +22,22 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from fnt.batch import DataPosition, RLBatch
+from fnt.batch import BadToken, DataPosition, RLBatch
 from fnt.config import RLConfig
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.base import LOGPROB_SLACK, as_float32, episode_metrics, episode_sums
-from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts, single_turn
+from fnt.rollout.pack import (
+    RolloutSample,
+    micro_batch_count,
+    pack_rollouts,
+    plan_micro_batches,
+    single_turn,
+)
 from fnt.rollout.sampling import Completion
-from fnt.state import Stateless, TrainState
+from fnt.state import Progress, Stateless, TrainState
 from fnt.store.rundir import (
     COMPLETE_MARKER,
     POLICY_STEP_FILE,
@@ -269,6 +275,12 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
     return sample, numbers["temperature"], logprobs is not None, ref_logprobs
 
 
+def sample_lines(file: Path) -> list[tuple[int, str]]:
+    """(line number, line) of every sample of a samples.jsonl: its non-blank lines."""
+    lines = enumerate(file.read_text().splitlines(), start=1)
+    return [(number, line) for number, line in lines if line.strip()]
+
+
 def read_rollouts(
     path: Path,
 ) -> tuple[list[RolloutSample], float, bool, Optional[list[list[float]]]]:
@@ -278,9 +290,7 @@ def read_rollouts(
     if not file.is_file():
         raise DataError(f"{file}: missing, although {path / COMPLETE_MARKER} exists")
     samples, temperatures, with_logprobs, refs = [], set(), set(), []
-    for number, line in enumerate(file.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, line in sample_lines(file):
         sample, temperature, has_logprobs, ref = parse_sample(line, f"{file}, line {number}")
         samples.append(sample)
         temperatures.add(temperature)
@@ -405,3 +415,29 @@ class ExternalRollouts(Stateless):
                 "rollout/staleness": float(step - 1 - policy_step),
             },
         )
+
+    def locate(self, progress: Progress, bad: BadToken) -> str:
+        """Where a token of this rank's batch after `progress` comes from: the samples.jsonl
+        line and the key and index of the token in it (the file is read again: only for a
+        message)."""
+        dp_rank, dp_size = self.runtime.dp_rank, self.runtime.dims.dp
+        file = rollout_dir(self.config.output_dir, progress.step + 1) / SAMPLES_FILE
+        samples, *_ = read_rollouts(file.parent)
+        mine = rank_samples(samples, dp_rank, dp_size, file)
+        plans = plan_micro_batches(
+            [s.length for s in mine],
+            seq_len=self.config.seq_len,
+            micro_batch_size=self.config.micro_batch_size,
+        )
+        rows = plans[bad.micro_batch].rows if bad.micro_batch < len(plans) else ()
+        row = rows[bad.row] if bad.row < len(rows) else ()
+        if bad.document >= len(row):
+            return f"{file}: the padding of this rank's rows (the tokenizer's pad token)"
+        # Rank shares are contiguous; the line says which form the sample was written in.
+        number, line = sample_lines(file)[dp_rank * len(mine) + row[bad.document]]
+        record = json.loads(line)
+        key, at = "token_ids", bad.offset
+        if "token_ids" not in record:
+            prompt = len(record["prompt_ids"])
+            key, at = ("prompt_ids", at) if at < prompt else ("completion_ids", at - prompt)
+        return f"{file}, line {number}, '{key}'[{at}]"
