@@ -22,6 +22,7 @@ from fnt.obs.console import say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.state import TrainState
 from fnt.store.rundir import (
+    CHECKSUMS_FILE,
     ROLLOUTS_DIR,
     WEIGHTS_DIR,
     abandon_newer_,
@@ -52,6 +53,13 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     resume_step = resolve_resume_step(config.resume, root)
     if resume_step is not None and config.ckpt.verify:
         resume_step = verified_resume_step(config.resume, root, resume_step, runtime)
+        checkpoint = step_dir(root, resume_step)
+        if runtime.is_main and not (checkpoint / CHECKSUMS_FILE).is_file():
+            print(
+                f"resume: {checkpoint} records no checksums (an fnt before them wrote it): "
+                "loaded unverified",
+                flush=True,
+            )
     if resume_step is None:
         refuse_stale_checkpoints(root)
         refuse_stale_rl_files(Path(config.output_dir))

@@ -84,6 +84,7 @@ class RunView:
     checkpoint_entries: tuple[tuple[str, bool], ...]  # (name, holds COMPLETE) in checkpoints/
     wandb_run_id: Optional[str]
     recorded_missing: tuple[int, ...] = ()  # metrics_missing.json's steps
+    missing_file_problem: Optional[str] = None  # what is wrong with an unreadable one
 
 
 def read_run(path: Union[str, Path]) -> RunView:
@@ -98,6 +99,7 @@ def read_run(path: Union[str, Path]) -> RunView:
     if metrics_file.is_file():
         rows, partial = parse_metrics(metrics_file.read_text(encoding="utf-8"), str(metrics_file))
     wandb_file = path / WANDB_ID_FILE
+    recorded_missing, missing_file_problem = read_missing_steps(path / METRICS_MISSING_FILE)
     return RunView(
         path=path,
         # abspath, so that "." and "run/" are named too; it does not follow symlinks.
@@ -108,7 +110,8 @@ def read_run(path: Union[str, Path]) -> RunView:
         partial_line=partial,
         checkpoint_entries=tuple(sorted(list_step_dirs(ckpt_root(path)))),
         wandb_run_id=wandb_file.read_text().strip() if wandb_file.is_file() else None,
-        recorded_missing=tuple(read_missing_steps(path / METRICS_MISSING_FILE)),
+        recorded_missing=tuple(recorded_missing),
+        missing_file_problem=missing_file_problem,
     )
 
 
@@ -209,6 +212,8 @@ def notes(view: RunView) -> list[str]:
             f"the last line of {METRICS_FILE} is incomplete (the run is writing it, or a crash "
             "cut it short) and is left out"
         )
+    if view.missing_file_problem:
+        out.append(view.missing_file_problem)
     return out
 
 

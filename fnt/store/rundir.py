@@ -147,12 +147,23 @@ def is_run_config(path: PathLike) -> bool:
     return isinstance(config, dict) and all(key in config for key in RUN_CONFIG_KEYS)
 
 
-def read_missing_steps(path: Path) -> list[int]:
-    """The steps a metrics_missing.json records as having no row (empty without the file)."""
+def read_missing_steps(path: Path) -> tuple[list[int], Optional[str]]:
+    """The steps a metrics_missing.json records as having no row (none without the file), and
+    a line saying what is wrong with a file that is there but cannot be read (then no steps:
+    the safe default, since the repair at the next start records again every step that
+    metrics.jsonl lacks)."""
+    if not path.exists():
+        return [], None
     try:
-        return sorted(json.loads(path.read_text())["missing_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+        steps = json.loads(path.read_text(encoding="utf-8"))["missing_steps"]
+        if not isinstance(steps, list) or not all(
+            type(step) is int and step >= 1 for step in steps
+        ):
+            raise ValueError("'missing_steps' is not a list of steps")
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 errors too
+        reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+        return [], f"{path}: unreadable ({reason}); ignored"
+    return sorted(steps), None
 
 
 def list_step_dirs(root: PathLike) -> list[tuple[str, bool]]:

@@ -93,6 +93,57 @@ def test_resume_latest_falls_back_past_a_damaged_checkpoint_and_continues_exactl
     assert_resumed_run_matches(full_run, out, 6, STEPS, EXACT_KEYS, tmp_path)
 
 
+@pytest.mark.parametrize("file", ["config.json", "meta.json"])
+def test_the_config_and_meta_files_of_a_checkpoint_are_covered_by_its_checksums(
+    tiny_model_dir, tmp_path, full_run, file
+):
+    out = tmp_path / "run"
+    path = damaged_copy(full_run, out, file, flip_bit)
+    proc = run_cli("sft", *sft_args(tiny_model_dir, out, "--resume", "latest"))
+    assert (
+        f"resume: checkpoint step_8 fails verification: {path}: contents differ from its "
+        "recorded checksum (damaged on disk); moved it to "
+    ) in proc.stdout, proc.stdout[-3000:]
+    assert "resume: falling back to step_6, the newest checkpoint that verifies" in proc.stdout
+
+
+def test_a_component_state_file_is_covered_by_the_checksums(tiny_model_dir, tmp_path):
+    """An async RL run keeps the policies its rollouts still need in components/rollouts.pt."""
+    out = tmp_path / "run"
+    args = config_args(
+        "examples/debug/rl.toml",
+        tiny_model_dir,
+        out,
+        *("--max-steps", "4", "--ckpt.interval", "2", "--rollout.async-level", "1"),
+    )
+    run_cli("rl", *args)
+    path = out / "checkpoints" / "step_4" / "components" / "rollouts.pt"
+    flip_bit(path)
+    proc = run_cli("rl", *args, "--max-steps", "5", "--resume", "latest")
+    assert (
+        f"resume: checkpoint step_4 fails verification: {path}: contents differ from its "
+        "recorded checksum (damaged on disk); moved it to "
+    ) in proc.stdout, proc.stdout[-3000:]
+    assert "resume: falling back to step_2, the newest checkpoint that verifies" in proc.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_checkpoint_without_checksums_is_loaded_with_one_line_saying_so(
+    tiny_model_dir, tmp_path, full_run
+):
+    """An fnt before checksums wrote no checksums.json: nothing to verify against, said once."""
+    out = tmp_path / "run"
+    shutil.copytree(full_run, out)
+    (out / "checkpoints" / "step_8" / "checksums.json").unlink()
+    proc = run_cli("sft", *sft_args(tiny_model_dir, out, "--resume", "latest", "--max-steps", "9"))
+    assert proc.stdout.count("unverified") == 1
+    assert (
+        f"resume: {out / 'checkpoints' / 'step_8'} records no checksums (an fnt before them "
+        "wrote it): loaded unverified"
+    ) in proc.stdout.splitlines()
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 10))
+
+
 def test_resume_of_a_damaged_step_names_the_file_and_the_newest_good_step(
     tiny_model_dir, tmp_path, full_run
 ):

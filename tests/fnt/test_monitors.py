@@ -98,7 +98,7 @@ def test_repair_on_disk_writes_the_kept_rows_and_records_the_missing_steps(file,
         repair_metrics_(path, last_step)
         repair = repair_rows(lines, last_step)
         assert path.read_text() == "".join(repair.kept.values())
-        assert read_missing_steps(Path(tmp) / METRICS_MISSING_FILE) == repair.missing
+        assert read_missing_steps(Path(tmp) / METRICS_MISSING_FILE) == (repair.missing, None)
         assert repair_metrics_(path, last_step) == []  # repaired: nothing more to say
         expected = {METRICS_FILE} | ({METRICS_MISSING_FILE} if repair.missing else set())
         assert {p.name for p in Path(tmp).iterdir()} == expected
@@ -119,10 +119,29 @@ def test_a_damaged_row_and_a_duplicated_pair_are_reported_with_their_line_number
         f"{path}: steps 2 have no readable row; recorded as missing in {METRICS_MISSING_FILE}",
     ]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 3, 4, 5]
-    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == [2]
+    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == ([2], None)
     # The next resume does not report step 2 again; it is still recorded.
     assert repair_metrics_(path, 5) == []
-    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == [2]
+    assert read_missing_steps(tmp_path / METRICS_MISSING_FILE) == ([2], None)
+
+
+@pytest.mark.parametrize(
+    "garbled",
+    [b"", b"\0" * 16, b'{"missing_steps": "3"}', b'{"steps": [3]}', b'{"missing_steps": [3',
+     b"\xff\xfe", b'{"missing_steps": [0, true]}'],
+    ids=["empty", "zeros", "a-string", "no-key", "cut", "not-utf8", "not-steps"],
+)  # fmt: skip
+def test_a_garbled_missing_file_is_one_line_and_rewritten_from_the_rows(tmp_path, garbled):
+    path = tmp_path / METRICS_FILE
+    path.write_text("".join(strict_json_line({"step": s}) + "\n" for s in (1, 3)))
+    missing = tmp_path / METRICS_MISSING_FILE
+    missing.write_bytes(garbled)
+    messages = repair_metrics_(path, 3)
+    assert messages[0].startswith(f"{missing}: unreadable (") and messages[0].endswith("; ignored")
+    assert messages[1:] == [
+        f"{path}: steps 2 have no readable row; recorded as missing in {METRICS_MISSING_FILE}"
+    ]
+    assert read_missing_steps(missing) == ([2], None)
 
 
 def test_rows_beyond_the_start_are_dropped_with_one_line(tmp_path):

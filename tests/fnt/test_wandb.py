@@ -200,6 +200,33 @@ def test_rows_wandb_never_took_before_a_crash_are_sent_again_in_step_order(
     assert [r["step"] for r in read_metrics(str(out))] == list(range(1, 13))
 
 
+@pytest.mark.parametrize(
+    "garbled",
+    [b"", b"\0" * 16, b'{"run_id": "x"}', b'{"run_id": "x", "step": 3', b"\xff\xfe", b"[3]"],
+    ids=["empty", "zeros", "no-step", "cut", "not-utf8", "a-list"],
+)
+def test_a_garbled_wandb_logged_is_one_line_and_every_row_is_sent_again(
+    tmp_path, fake_wandb, capsys, garbled
+):
+    fake = fake_wandb()
+    out = tmp_path / "run"
+    crashed = open_monitors(_config(out), start_step=0)
+    _log_all(crashed, _rows(1, 5, "crashed"))
+    crashed.monitors[1].close()
+    crashed.monitors[0].close()
+    (out / "wandb_logged").write_bytes(garbled)
+    capsys.readouterr()
+    resumed = open_monitors(_config(out), start_step=3)
+    _log_all(resumed, _rows(4, 6, "resumed"))
+    resumed.close()
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "unreadable" in x]
+    assert line.startswith(f"{out / 'wandb_logged'}: unreadable (")
+    assert line.endswith(
+        "); W&B is sent every row of metrics.jsonl again (it keeps the first row of a step)"
+    )
+    assert _wandb_rows(fake, recorded_wandb_run_id(out)) == read_metrics(str(out))
+
+
 def test_replay_steps():
     logged = {"run_id": "old", "step": 5}
     assert list(replay_steps({"resume_from": "old?_step=8"}, logged, 8)) == [6, 7, 8]

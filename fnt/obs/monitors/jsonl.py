@@ -116,7 +116,7 @@ def repair_metrics_(path: Path, last_step: int) -> list[str]:
     never a truncated one (rows 1..N must survive as long as step_N does).
     """
     missing_file = path.with_name(METRICS_MISSING_FILE)
-    known = read_missing_steps(missing_file)
+    known, problem = read_missing_steps(missing_file)
     lines = (
         path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
         if path.exists()
@@ -132,7 +132,7 @@ def repair_metrics_(path: Path, last_step: int) -> list[str]:
     else:
         missing_file.unlink(missing_ok=True)
     fsync_dir(path.parent)
-    return repair.messages(str(path), missing_file.name, known)
+    return [problem] * bool(problem) + repair.messages(str(path), missing_file.name, known)
 
 
 class JsonlMonitor:

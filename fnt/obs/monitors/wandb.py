@@ -107,7 +107,9 @@ class WandbMonitor:
         attempts = wandb_init_attempts(
             recorded_wandb_run_id(output_dir), start_step, uuid.uuid4().hex[:12]
         )
-        self._logged = read_wandb_logged(output_dir)
+        self._logged, problem = read_wandb_logged(output_dir)
+        if problem:
+            print(problem, flush=True)
         self._thread = threading.Thread(
             target=self._work, args=(config, output_dir, attempts), name="fnt-wandb", daemon=True
         )
@@ -292,14 +294,25 @@ def record_wandb_run_id_(output_dir: Path, run_id: str) -> None:
     write_synced_(output_dir / WANDB_ID_FILE, run_id + "\n")
 
 
-def read_wandb_logged(output_dir: Path) -> Optional[dict]:
+def read_wandb_logged(output_dir: Path) -> tuple[Optional[dict], Optional[str]]:
     """`{"run_id": ID, "step": N}`: the last row W&B took, as the worker recorded it; None when
-    nothing is recorded (or the record is unreadable: then every row is sent again)."""
+    nothing is recorded. A record that is there but cannot be read is None too (the safe
+    default: every row is sent again, and W&B keeps the first row of a step), with a line
+    saying so."""
+    path = output_dir / WANDB_LOGGED_FILE
+    if not path.exists():
+        return None, None
     try:
-        logged = json.loads((output_dir / WANDB_LOGGED_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return logged if isinstance(logged, dict) and isinstance(logged.get("step"), int) else None
+        logged = json.loads(path.read_text(encoding="utf-8"))
+        step = logged.get("step") if isinstance(logged, dict) else None
+        if type(step) is not int or not isinstance(logged.get("run_id"), str):
+            raise ValueError('expected {"run_id": ID, "step": N}')
+    except (OSError, ValueError) as exc:  # JSON and UTF-8 errors too
+        return None, (
+            f"{path}: unreadable ({exc}); W&B is sent every row of {METRICS_FILE} again (it "
+            "keeps the first row of a step)"
+        )
+    return logged, None
 
 
 def record_wandb_logged_(output_dir: Path, run_id: str, step: int) -> None:
