@@ -4,12 +4,16 @@ under two ranks, is reported and tokenized again, and the run trains as an uncac
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from fnt.data.cache import read_entry
 from tests.e2e.helpers import config_args, read_metrics, run_cli
 from tests.fnt.data.test_data_cache import DAMAGES, Payload, alter_token_ids, array_bytes
 
@@ -25,6 +29,12 @@ def write_chats(path: Path, count: int) -> Path:
         )
     )
     return path
+
+
+def samples_in(entry: Path) -> dict:
+    """What a cache entry holds (its bytes may differ: safetensors writes the metadata in no
+    fixed order)."""
+    return dataclasses.asdict(read_entry(entry))
 
 
 def sft_args(model_dir, out, data: Path, *extra: str) -> tuple[str, ...]:
@@ -104,7 +114,7 @@ def test_a_damaged_cache_entry_is_reported_and_rebuilt_and_the_run_trains_as_unc
     for row, expected in zip(rows, uncached["rows"]):
         for key in EXACT_KEYS:
             assert row[key] == expected[key], (row["step"], key)
-    assert entry.read_bytes() == uncached["entry"].read_bytes()  # rebuilt as it was
+    assert samples_in(entry) == samples_in(uncached["entry"])  # rebuilt as it was
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,9 +170,145 @@ def test_at_two_ranks_a_damaged_share_is_tokenized_again_and_the_run_trains_as_u
         "share again"
     ) in (damaged / "rank0.log").read_text().splitlines()
     (plain_entry,) = (plain / "cache").iterdir()
-    assert entry.read_bytes() == plain_entry.read_bytes()
+    assert samples_in(entry) == samples_in(plain_entry)
     rows, expected = read_metrics(damaged / "run"), read_metrics(plain / "run")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row, want in zip(rows, expected):
         for key in EXACT_KEYS:
             assert row[key] == want[key], (row["step"], key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Soak: random damage to cache entries and to the shares of two ranks
+
+SOAK_RUNS = 20
+SOAK_SHARE_RUNS = 8
+
+
+def two_source_args(model_dir, out: Path, root: Path, cache: Path) -> tuple[str, ...]:
+    sources = [{"path": str(root / "train.jsonl")}, {"path": str(root / "more.jsonl")}]
+    return config_args(
+        "examples/debug/sft.toml",
+        model_dir,
+        out,
+        *("--data.kind", "sources", "--data.sources", json.dumps(sources)),
+        *("--max-steps", str(STEPS), "--data.cache-dir", str(cache)),
+    )
+
+
+@pytest.mark.slow
+def test_soak_random_damage_to_cache_entries_is_always_reported_and_rebuilt(
+    tiny_model_dir, tmp_path
+):
+    """20 runs on two sources, each run's cache a copy of a good one with 1 to 3 random
+    damages (a cut, a flipped bit, a zeroed 4 KiB block) to its entries: every entry whose
+    bytes changed is named in one line and tokenized again, every other one is read, and every
+    run's rows equal those of the run that filled the cache."""
+    from tests.e2e.test_damaged_run_dirs import damage_file_at_random
+
+    write_chats(tmp_path / "train.jsonl", 300)
+    write_chats(tmp_path / "more.jsonl", 120)
+    good = tmp_path / "cache"
+    run_cli("sft", *two_source_args(tiny_model_dir, tmp_path / "first", tmp_path, good))
+    expected = read_metrics(tmp_path / "first")
+    entries = sorted(p.name for p in good.iterdir())
+    assert len(entries) == 2
+    for seed in range(SOAK_RUNS):
+        rng = random.Random(seed)
+        cache = tmp_path / f"cache{seed}"
+        shutil.copytree(good, cache)
+        for _ in range(rng.randint(1, 3)):
+            damage_file_at_random(cache / rng.choice(entries), rng)
+        changed = [n for n in entries if (cache / n).read_bytes() != (good / n).read_bytes()]
+        out = tmp_path / f"run{seed}"
+        stdout = run_cli("sft", *two_source_args(tiny_model_dir, out, tmp_path, cache)).stdout
+        context = f"seed {seed}: damaged {changed}\n{stdout[-3000:]}"
+        reported = [line for line in stdout.splitlines() if "tokenizing the source again" in line]
+        assert [line.split(": ")[0] for line in reported] == [str(cache / n) for n in changed], (
+            context
+        )
+        assert stdout.count("tokenized samples from the cache") == 2 - len(changed), context
+        for name in entries:  # rebuilt as they were
+            assert samples_in(cache / name) == samples_in(good / name), context
+        rows = read_metrics(out)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), context
+        for row, want in zip(rows, expected):
+            for key in EXACT_KEYS:
+                assert row[key] == want[key], (context, row["step"], key)
+
+
+def share_soak_job(fixture, out):
+    out.mkdir(parents=True, exist_ok=True)
+    write_chats(out / "train.jsonl", 300)
+    args = [str(fixture("tiny_model_dir")), str(out)]
+    return {"call": f"{__name__}:sft_runs_with_random_damage_to_shares", "args": args}
+
+
+def sft_runs_with_random_damage_to_shares(model_dir: str, out: str) -> None:
+    """SOAK_SHARE_RUNS two-rank runs of `fnt sft`, each with a fresh cache; in run `seed` each
+    rank damages its own share at random (a cut, a flipped bit, a zeroed 4 KiB block) right
+    after writing it, with probability 0.6, and records whether the bytes changed."""
+    import torch.distributed as dist
+
+    import fnt.data.cache as cache_module
+    from fnt.__main__ import main
+    from tests.e2e.test_damaged_run_dirs import damage_file_at_random
+
+    rank, root, write = dist.get_rank(), Path(out), cache_module.write_entry_
+    for seed in range(SOAK_SHARE_RUNS):
+        damages = random.Random(seed * 2 + rank)
+        damaged = damages.random() < 0.6
+
+        def write_then_damage(samples, path: Path) -> None:
+            write(samples, path)
+            if damaged and path.name.endswith(f".share{rank}.safetensors"):
+                before = path.read_bytes()
+                damage_file_at_random(path, damages)
+                changed = path.read_bytes() != before
+                (root / f"changed{seed}_{rank}").write_text(json.dumps(changed))
+
+        cache_module.write_entry_ = write_then_damage
+        try:
+            data = root / "train.jsonl"
+            args = sft_args(model_dir, root / f"run{seed}", data, "--max-steps", str(STEPS))
+            main(["sft", *args, "--data.cache-dir", str(root / f"cache{seed}")])
+        finally:
+            cache_module.write_entry_ = write
+
+
+@pytest.mark.slow
+@pytest.mark.two_ranks(job=two_rank_job)
+@pytest.mark.two_ranks(job=share_soak_job)
+def test_soak_random_damage_to_the_shares_of_two_ranks_is_always_reported_and_rebuilt(
+    two_rank_runs,
+):
+    """Every share whose bytes changed is named by rank 0 and tokenized again by the other
+    rank, every run writes the undamaged run's entry and rows."""
+    plain, soak = two_rank_runs(two_rank_job), two_rank_runs(share_soak_job)
+    (plain_entry,) = (plain / "cache").iterdir()
+    expected = read_metrics(plain / "run")
+    log = (soak / "rank0.log").read_text().splitlines()
+    damaged_runs = 0
+    for seed in range(SOAK_SHARE_RUNS):
+        (entry,) = (soak / f"cache{seed}").iterdir()
+        changed = [
+            r
+            for r in (0, 1)
+            if (soak / f"changed{seed}_{r}").is_file()
+            and json.loads((soak / f"changed{seed}_{r}").read_text())
+        ]
+        damaged_runs += bool(changed)
+        cache = soak / f"cache{seed}"
+        reported = [x for x in log if x.startswith(f"{cache}/") and "share again" in x]
+        shares = [entry.name.replace(".safetensors", f".share{r}.safetensors") for r in changed]
+        assert [line.split(": ")[0] for line in reported] == [str(cache / n) for n in shares], (
+            seed,
+            reported,
+        )
+        assert samples_in(entry) == samples_in(plain_entry), seed
+        rows = read_metrics(soak / f"run{seed}")
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), seed
+        for row, want in zip(rows, expected):
+            for key in EXACT_KEYS:
+                assert row[key] == want[key], (seed, row["step"], key)
+    assert damaged_runs >= SOAK_SHARE_RUNS // 2  # the seeds damage most runs
