@@ -164,10 +164,17 @@ class EntryProblem(ValueError):
 
 
 def read_entry(path: Path) -> SourceSamples:
-    """The samples of the entry at `path`, once its format, size and digest check out;
-    FileNotFoundError when there is none, EntryProblem (naming the file) for any other failure.
-    Nothing is decoded before the digest matches."""
+    """The samples of the entry at `path`, once its format, size and digest check out
+    (`verify_entry`); FileNotFoundError when there is none, EntryProblem (naming the file) for
+    any other failure. Nothing is decoded before the digest matches."""
     data = path.read_bytes()  # FileNotFoundError passes: a miss, not a problem
+    verify_entry(path, data)
+    return decode_entry(path, data)
+
+
+def verify_entry(path: Path, data: bytes) -> None:
+    """EntryProblem naming `path` unless `data`, its bytes, are an entry of this format whose
+    size and digest are the recorded ones. Pure."""
     if len(data) < 8:
         raise EntryProblem(f"{path}: {len(data)} bytes, not a cache entry (truncated)")
     size = int.from_bytes(data[:8], "little")
@@ -203,6 +210,11 @@ def read_entry(path: Path) -> SourceSamples:
     )
     if digest != meta.get(HASH):
         raise EntryProblem(f"{path}: contents differ from its recorded checksum (damaged on disk)")
+
+
+def decode_entry(path: Path, data: bytes) -> SourceSamples:
+    """The samples of a verified entry's bytes; EntryProblem naming `path` when they do not
+    decode (what no digest can catch: an entry written wrong). Pure."""
     from safetensors.numpy import load
 
     try:
