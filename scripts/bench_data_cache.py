@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def prepare(work: Path, chats: int) -> tuple[Path, Path]:
     """The reverse-text chats and the tiny Qwen3 model (made once in `work`)."""
-    from fnt import tiny_model
+    from fnt.model import tiny_model
 
     data = work / "data" / "sft.jsonl"
     if not data.is_file():
@@ -67,7 +67,7 @@ def main() -> None:
     from fnt.config import DataSourceConfig
     from fnt.data import load_corpus
     from fnt.data.cache import DataCache, decode_entry, verify_entry
-    from fnt.tokenizer import load_tokenizer
+    from fnt.model.tokenizer import load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=100_000)
