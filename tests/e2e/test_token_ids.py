@@ -1,6 +1,6 @@
 """Token ids outside the model's vocabulary never reach the model: from a data source (a
-tokenizer larger than the model's embedding), from a cache entry and from an external rollout
-file, the run stops with exit status 2 and one line naming where the id came from, the id and
+tokenizer larger than the model's embedding), from a cache entry, from a preference pair and
+from an external rollout file, the run stops with exit status 2 and one line naming where the id came from, the id and
 the vocabulary size, before the step that would have used it (no row for it)."""
 
 from __future__ import annotations
@@ -132,6 +132,33 @@ def model_with_a_token_more(tiny_model_dir, out: Path) -> Path:
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(model)
     return model
+
+
+def test_an_id_the_model_lacks_in_a_preference_pair_is_located_with_its_side(
+    tiny_model_dir, tmp_path
+):
+    model = model_with_a_token_more(tiny_model_dir, tmp_path)
+    pairs = [
+        {"prompt": f"count to {n}", "chosen": " ".join(map(str, range(1, n + 1))), "rejected": "9"}
+        for n in range(2, 42)
+    ]
+    pairs[30]["rejected"] = "9 <extra> 8"
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    out = tmp_path / "run"
+    args = config_args(
+        "examples/debug/dpo.toml",
+        model,
+        out,
+        *("--data.sources", json.dumps([{"path": str(data)}]), "--data.shuffle", "false"),
+    )
+    proc = run_cli("dpo", *args, check=False)
+    stopped_before(proc, out)
+    assert re.fullmatch(
+        rf"error: {re.escape(str(data))}, line 31, token \d+ of its rejected side: token id "
+        rf"{VOCAB} {re.escape(OUTSIDE)}; nothing of update \d+ was trained",
+        proc.stderr.strip(),
+    ), proc.stderr
 
 
 def two_rank_job(fixture, out):
