@@ -25,10 +25,11 @@ rank reads the entry and the ranks gather what each found, so all rebuild or non
 
 On a miss every rank tokenizes every world-th record of the source (`tokenize_share`) and
 writes its share next to the entry; after a gather each rank reads all shares and merges them
-back into record order, rank 0 writes the entry and removes the shares. A share that fails its
-check on any rank is reported and tokenized again by every rank (tokenizing is deterministic,
-so that is what the share should have held). A bad record on any rank is reported by every
-rank alike (the first in record order), so no rank waits for another.
+back into record order, rank 0 writes the entry and removes the shares. A rank keeps its own
+share in memory and checks the others' files; a share that fails on any rank is reported and
+tokenized again by every rank but its own (tokenizing is deterministic, so that is what the
+share should have held). A bad record on any rank is reported by every rank alike (the first
+in record order), so no rank waits for another.
 """
 
 from __future__ import annotations
