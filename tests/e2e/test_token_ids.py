@@ -1,7 +1,8 @@
 """Token ids outside the model's vocabulary never reach the model: from a data source (a
 tokenizer larger than the model's embedding), from a cache entry, from a preference pair and
-from an external rollout file, the run stops with exit status 2 and one line naming where the id came from, the id and
-the vocabulary size, before the step that would have used it (no row for it)."""
+from an external rollout file, the run stops with exit status 2 and one line naming where the
+id came from, the id and the vocabulary size, before the step that would have used it (no row
+for it)."""
 
 from __future__ import annotations
 
