@@ -105,7 +105,11 @@ def load_eval_data(config: Config) -> Optional[Any]:
     corpus = None
     if val.sources:
         corpus = load_corpus(
-            val.sources, tokenizer, seq_len=config.seq_len, overlong=config.data.overlong
+            val.sources,
+            tokenizer,
+            seq_len=config.seq_len,
+            overlong=config.data.overlong,
+            on_bad_sample=config.data.on_bad_sample,
         )
     prompts: tuple[Prompt, ...] = ()
     reward_fn = None

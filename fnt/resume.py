@@ -119,6 +119,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "data.kind": FIXED,
     "data.sources": FIXED,  # the data position counts samples of these sources
     "data.overlong": FIXED,  # changes which samples exist
+    "data.on_bad_sample": FIXED,  # changes which samples exist
     "data.shuffle": FIXED,  # changes the sample order
     "data.loss_mask": FIXED,  # which tokens are targets, and so which samples are usable
     "data.train_turns": FIXED,  # how many samples a chat gives

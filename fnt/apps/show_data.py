@@ -37,14 +37,30 @@ def runs(ids: Sequence[int], targets: Sequence[bool]) -> Iterator[tuple[list[int
         yield run, bool(targets[len(ids) - 1])
 
 
-def sample_header(location: str, ids: Sequence[int], targets: Sequence[bool], fate, roles) -> str:
-    """`train.jsonl, line 1: 42 tokens (6 trained, 36 context), kept; messages: 1 user, ...`."""
+def sample_header(
+    location: str,
+    ids: Sequence[int],
+    targets: Sequence[bool],
+    fate,
+    roles,
+    *,
+    full_length: int,
+    seq_len: int,
+) -> str:
+    """`train.jsonl, line 1: 42 tokens (6 trained, 36 context), kept; messages: 1 user, ...`;
+    a sample fitting cut or dropped for its length says its length and the limit. Pure."""
+    from fnt.data.corpus import SampleFate
+
     trained = sum(map(bool, targets))
     counts = ", ".join(f"{n} {role}" for role, n in roles.items())
-    return (
-        f"== {location}: {len(ids)} tokens ({trained} trained, {len(ids) - trained} context), "
-        f"{fate.name.lower()}; messages: {counts}"
-    )
+    tokens = f"{len(ids)} tokens ({trained} trained, {len(ids) - trained} context)"
+    if fate == SampleFate.DROPPED_OVERLONG or fate == SampleFate.TRUNCATED:
+        tokens = f"{full_length} tokens, over seq_len={seq_len}"
+        if fate == SampleFate.TRUNCATED:
+            tokens += f", cut to {len(ids)} ({trained} trained, {len(ids) - trained} context)"
+    elif fate.dropped:
+        tokens = f"{full_length} tokens"
+    return f"== {location}: {tokens}, {fate.name.lower()}; messages: {counts}"
 
 
 def main(argv: list[str]) -> None:
@@ -96,16 +112,26 @@ def show(config, n: int, color: bool) -> None:
                     seq_len=config.seq_len,
                     overlong=config.data.overlong,
                     masking=masking,
+                    on_bad_sample=config.data.on_bad_sample,
                 )
             except ValueError as e:
                 raise DataError(f"{location}: {e}") from e
             roles = Counter(message["role"] for message in fitted.messages)
-            for ids, targets, fate in fitted.samples:
-                header = sample_header(location, ids, targets, fate, roles)
+            for (ids, targets, fate), full_length in zip(fitted.samples, fitted.full_lengths):
+                header = sample_header(
+                    location,
+                    ids,
+                    targets,
+                    fate,
+                    roles,
+                    full_length=full_length,
+                    seq_len=config.seq_len,
+                )
                 cut = f" ({fitted.cut_turns} trailing turns left out)" if fitted.cut_turns else ""
                 print(header + cut)
                 pieces = [(tokenizer.decode(run), trained) for run, trained in runs(ids, targets)]
-                print(marked_text(pieces, color) if ids else "(dropped: no tokens left)")
+                why = f"left out: {fitted.skipped}" if fitted.skipped else "no tokens left"
+                print(marked_text(pieces, color) if ids else f"(dropped: {why})")
                 shown += 1
                 if shown >= n:
                     return

@@ -154,6 +154,8 @@ class DataConfig:
     """Sources with weights, e.g. [{path = "train.jsonl", weight = 1.0}, {dataset = "org/name"}]."""
     overlong: Literal["auto", "truncate", "drop", "error"] = "auto"
     """Samples over seq_len: auto drops chats and truncates prompt/completion; or one for all."""
+    on_bad_sample: Literal["auto", "error", "skip"] = "auto"
+    """auto errors on a bad chat (unknown role, bad content), skips one without a trained turn."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (a pure function of seed and epoch)."""
     loss_mask: tuple[str, ...] = ("assistant",)

@@ -113,6 +113,51 @@ def conversation_from_record(record: object) -> list[Message]:
     )
 
 
+BAD_SAMPLE_POLICIES = ("auto", "error", "skip")
+
+# A role a template tests for by name: `message.role == "ipython"`, `message['role'] in ['a', 'b']`.
+_ROLE_TEST = re.compile(r"""role['"]?\]?\s*(?:==|!=)\s*['"]([\w-]+)['"]""")
+_ROLE_IN = re.compile(r"""role['"]?\]?\s+(?:not\s+)?in\s*[\[(]([^\])]*)[\])]""")
+
+
+def template_roles(template: str) -> frozenset[str]:
+    """The roles a chat template renders: fnt's four (system, user, assistant, tool) and every
+    role the template compares a message's role with by name. Pure."""
+    named = set(_ROLE_TEST.findall(template))
+    for listed in _ROLE_IN.findall(template):
+        named.update(re.findall(r"""['"]([\w-]+)['"]""", listed))
+    return frozenset(ROLES) | named
+
+
+def chat_problem(
+    messages: Sequence[Message], *, known_roles: frozenset[str], trained_roles: frozenset[str]
+) -> tuple[str, str] | None:
+    """What is wrong with a well-formed chat, as (kind, reason): kind "bad" for a message whose
+    role the template does not render, "no_trained_turn" for a chat without a message of a
+    trained role (nothing in it would be learned); None for a good chat. Pure."""
+    for i, message in enumerate(messages):
+        if message["role"] not in known_roles:
+            return "bad", (
+                f"messages[{i}] has role {message['role']!r}, which the chat template does not "
+                f"render (known roles: {', '.join(sorted(known_roles))})"
+            )
+    if not any(message["role"] in trained_roles for message in messages):
+        return "no_trained_turn", (
+            f"no message of a trained role ({', '.join(sorted(trained_roles))}; data.loss_mask)"
+        )
+    return None
+
+
+def bad_sample_action(kind: str, policy: str) -> str:
+    """ "error" or "skip" for a problem of `kind` ("bad" or "no_trained_turn") under
+    data.on_bad_sample: "auto" errors on bad chats and skips chats without a trained turn. Pure."""
+    if policy not in BAD_SAMPLE_POLICIES:
+        raise ValueError(f"data.on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {policy!r}")
+    if policy == "auto":
+        return "skip" if kind == "no_trained_turn" else "error"
+    return policy
+
+
 def tools_from_record(record: Mapping[str, Any]) -> list | None:
     """The record's `tools` (function specs passed to the template), or None."""
     tools = record.get("tools")

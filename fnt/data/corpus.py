@@ -40,10 +40,16 @@ class SampleFate(enum.IntEnum):
     """Longer than seq_len, under the 'drop' policy, or truncated to no target token at all."""
     DROPPED_NO_LOSS = 3
     """No target token even at full length (a chat without a trained turn)."""
+    DROPPED_BAD = 4
+    """A bad chat (unknown role, content not a string, ...) that data.on_bad_sample skipped."""
 
     @property
     def dropped(self) -> bool:
-        return self in (SampleFate.DROPPED_OVERLONG, SampleFate.DROPPED_NO_LOSS)
+        return self in (
+            SampleFate.DROPPED_OVERLONG,
+            SampleFate.DROPPED_NO_LOSS,
+            SampleFate.DROPPED_BAD,
+        )
 
 
 def fit_to_length(

@@ -37,9 +37,13 @@ from fnt.config.schema import (
 )
 from fnt.data.cache import DataCache, SourceSamples, cache_key
 from fnt.data.chat import (
+    BAD_SAMPLE_POLICIES,
     ChatMasking,
+    bad_sample_action,
+    chat_problem,
     check_tools_rendered,
     conversation_from_record,
+    template_roles,
     tokenize_conversation,
     tools_from_record,
     without_untrained_tail,
@@ -81,15 +85,22 @@ def load_corpus(
     masking: ChatMasking | None = None,
     progress: bool = False,
     cache: DataCache | None = None,
+    on_bad_sample: str = "auto",
 ) -> Corpus:
     """Every source tokenized (a record may give several samples, see fnt.data.chat) and fitted
     to seq_len under the overlong policy; `masking` defaults to the assistant turns with the
     model's stop tokens; `progress` shows the reading's progress (fnt.obs.console; rank 0);
-    `cache` keeps and reuses the tokenized sources (fnt.data.cache)."""
+    `cache` keeps and reuses the tokenized sources (fnt.data.cache); `on_bad_sample`
+    (fnt.data.chat.bad_sample_action) decides whether a bad chat stops the run or is left out,
+    with a located note."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"data.overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
+    if on_bad_sample not in BAD_SAMPLE_POLICIES:
+        raise ValueError(
+            f"data.on_bad_sample must be one of {BAD_SAMPLE_POLICIES}, got {on_bad_sample!r}"
+        )
     if not sources:
         raise ValueError("data.sources is empty: give at least one source")
     if masking is None:
@@ -116,6 +127,7 @@ def load_corpus(
                 masking=masking,
                 progress=progress,
                 cache=cache,
+                on_bad_sample=on_bad_sample,
             ),
         )
         for name, source in zip(names, sources)
@@ -131,11 +143,13 @@ def load_corpus(
     for source, size in zip(sources, corpus.source_sizes):
         fates = corpus.fates[first_id : first_id + size]
         if all(fate.dropped for fate in fates):
+            bad = fates.count(SampleFate.DROPPED_BAD)
             raise DataError(
                 f"{source_label(source)}: no sample is usable with seq_len={seq_len} and "
                 f"data.overlong={overlong!r} "
                 f"({fates.count(SampleFate.DROPPED_OVERLONG)} over-long, "
-                f"{fates.count(SampleFate.DROPPED_NO_LOSS)} without target tokens)"
+                f"{fates.count(SampleFate.DROPPED_NO_LOSS)} without target tokens"
+                f"{f', {bad} bad chats left out' if bad else ''})"
             )
         first_id += size
     notes = tuple(
@@ -144,8 +158,37 @@ def load_corpus(
         "were left out"
         for source, (_, (samples, _)) in zip(sources, parts)
         if samples.trailing
+    ) + tuple(
+        skipped_note(source_label(source), samples.skipped, on_bad_sample)
+        for source, (_, samples) in zip(sources, parts)
+        if samples.skipped
     )
     return dataclasses.replace(corpus, notes=notes)
+
+
+SHOWN_PROBLEMS = 3  # located problems a message lists before it counts the rest
+
+
+def skipped_note(label: str, skipped: Sequence[tuple[int, str, str]], policy: str) -> str:
+    """One line on the chats a source left out: the first few with their location and reason,
+    then a count. Pure."""
+    shown = "; ".join(f"{location}: {reason}" for _, location, reason in skipped[:SHOWN_PROBLEMS])
+    more = f"; and {len(skipped) - SHOWN_PROBLEMS} more" if len(skipped) > SHOWN_PROBLEMS else ""
+    return f"{label}: {len(skipped)} chats left out (data.on_bad_sample={policy!r}): {shown}{more}"
+
+
+def bad_records_message(label: str, problems: Sequence[str], count: int, policy: str) -> str:
+    """The error for a source with bad chats: a header line, the first few located problems,
+    then a count. Pure."""
+    more = [f"  ... and {count - len(problems)} more"] if count > len(problems) else []
+    return "\n".join(
+        [
+            f'{label}: {count} bad records (data.on_bad_sample={policy!r}; "skip" leaves '
+            "them out with a warning):",
+            *(f"  {problem}" for problem in problems),
+            *more,
+        ]
+    )
 
 
 def source_samples(
@@ -157,6 +200,7 @@ def source_samples(
     masking: ChatMasking,
     progress: bool,
     cache: DataCache | None,
+    on_bad_sample: str = "auto",
 ) -> tuple[SourceSamples, str]:
     """A source's fitted samples, and the cache entry they were read from ("" when they were
     tokenized now): from `cache` when it holds them and they pass its check (else tokenized,
@@ -166,7 +210,9 @@ def source_samples(
     it is read."""
 
     def tokenize(rank: int, world_size: int) -> SourceSamples:
-        check_records(source, progress)
+        check_records(
+            source, progress, masking=masking, tokenizer=tokenizer, on_bad_sample=on_bad_sample
+        )
         return tokenize_share(
             source,
             tokenizer,
@@ -176,14 +222,17 @@ def source_samples(
             rank=rank,
             world_size=world_size,
             progress=progress,
+            on_bad_sample=on_bad_sample,
         )
 
-    settings = masking_settings(masking, tokenizer, seq_len=seq_len, overlong=overlong)
+    settings = masking_settings(
+        masking, tokenizer, seq_len=seq_len, overlong=overlong, on_bad_sample=on_bad_sample
+    )
     return cached_samples(source, tokenizer, tokenize, settings, cache, progress)
 
 
 def masking_settings(
-    masking: ChatMasking, tokenizer, *, seq_len: int, overlong: str
+    masking: ChatMasking, tokenizer, *, seq_len: int, overlong: str, on_bad_sample: str = "auto"
 ) -> dict[str, Any]:
     """What a source's samples depend on besides its records and the tokenizer (fnt.data.cache's
     key): the template, the masking, seq_len and the overlong policy. Pure."""
@@ -195,6 +244,7 @@ def masking_settings(
         "stop_ids": sorted(masking.stop_ids),
         "seq_len": seq_len,
         "overlong": overlong,
+        "on_bad_sample": on_bad_sample,
     }
 
 
@@ -231,24 +281,43 @@ def check_records(
     source: DataSource,
     progress: bool,
     check: Callable[[object], object] | None = None,
+    *,
+    masking: ChatMasking | None = None,
+    tokenizer=None,
+    on_bad_sample: str = "auto",
 ) -> None:
-    """Read every record of a source and check its shape, without tokenizing: DataError with
-    the location of the first bad one, or of an empty source. `check(record)` raises ValueError
-    for a bad record (default: a chat or prompt/completion record, through the source's
-    columns)."""
+    """Read every record of a source and check it, without tokenizing: DataError with the
+    location of the first few that on_bad_sample does not skip and their count, or for an empty
+    source. `check(record)` raises ValueError for a bad record (default: a chat or
+    prompt/completion record, through the source's columns, and with `masking` its roles and
+    trained turn, fnt.data.chat.chat_problem)."""
 
-    def check_chat(record: object) -> None:
-        conversation_from_record(chat_record(record, source))
-
-    check = check or check_chat
-    found = False
-    records = with_progress(source_records(source), f"checking {source_label(source)}", progress)
-    for location, record in records:
-        found = True
+    def problem_of(record: object) -> tuple[str, str] | None:
+        if check is None:
+            return record_problem(record, source, masking, roles)
         try:
             check(record)
         except ValueError as e:
-            raise DataError(f"{location}: {e}") from e
+            return "bad", str(e)
+        return None
+
+    count = 0
+    problems: list[str] = []
+    roles = known_roles(masking, tokenizer) if masking is not None else None
+    found = False
+    count = 0
+    problems: list[str] = []
+    roles = known_roles(masking, tokenizer) if masking is not None else None
+    records = with_progress(source_records(source), f"checking {source_label(source)}", progress)
+    for location, record in records:
+        found = True
+        problem = problem_of(record)
+        if problem is not None and bad_sample_action(problem[0], on_bad_sample) == "error":
+            count += 1
+            if len(problems) < SHOWN_PROBLEMS:
+                problems.append(f"{location}: {problem[1]}")
+    if count:
+        raise DataError(bad_records_message(source_label(source), problems, count, on_bad_sample))
     if not found:
         kind = source_kind(source)
         empty = f"the {kind} has no rows"
@@ -267,13 +336,20 @@ def tokenize_share(
     rank: int,
     world_size: int,
     progress: bool,
+    on_bad_sample: str = "auto",
 ) -> SourceSamples:
     """The fitted samples of every world_size-th record of a source, from record `rank` on; the
     first bad record stops it and is kept as the share's error (with its location)."""
 
     def fit(record: object) -> FittedRecord:
         return fit_record(
-            record, source, tokenizer, seq_len=seq_len, overlong=overlong, masking=masking
+            record,
+            source,
+            tokenizer,
+            seq_len=seq_len,
+            overlong=overlong,
+            masking=masking,
+            on_bad_sample=on_bad_sample,
         )
 
     return fitted_share(source, fit, rank=rank, world_size=world_size, progress=progress)
@@ -302,6 +378,8 @@ def fitted_share(
         except ValueError as e:
             share.error = (index, f"{location}: {e}")
             break
+        if getattr(fitted, "skipped", ""):
+            share.skipped.append((index, location, fitted.skipped))
         if fitted.cut_turns:
             share.trailing.append((index, location))
         for ids, targets, fate in fitted.samples:
@@ -328,6 +406,27 @@ class FittedRecord:
     messages: list  # the chat, its untrained trailing turns cut
     samples: list[tuple[list[int], list[bool], SampleFate]]  # fit_to_length's, per sample
     cut_turns: int  # trailing turns no role of the loss mask trains, left out
+    full_lengths: list[int]  # each sample's tokens before fitting to seq_len
+    skipped: str = ""  # why data.on_bad_sample left the record out ("" when it was not)
+
+
+def known_roles(masking: ChatMasking, tokenizer) -> frozenset[str]:
+    """The roles the masking's template (or the tokenizer's) renders (fnt.data.chat)."""
+    return template_roles(str(masking.chat_template or tokenizer.chat_template or ""))
+
+
+def record_problem(
+    record: object, source: DataSource, masking: ChatMasking | None, roles: frozenset[str] | None
+) -> tuple[str, str] | None:
+    """(kind, reason) for a record that is not a good chat (fnt.data.chat.chat_problem; a record
+    of the wrong shape is "bad"), or None; only its shape is checked without `masking`. Pure."""
+    try:
+        messages = conversation_from_record(chat_record(record, source))
+    except ValueError as e:
+        return "bad", str(e)
+    if masking is None or roles is None:
+        return None
+    return chat_problem(messages, known_roles=roles, trained_roles=masking.roles)
 
 
 def fit_record(
@@ -338,9 +437,18 @@ def fit_record(
     seq_len: int,
     overlong: str,
     masking: ChatMasking,
+    on_bad_sample: str = "auto",
 ) -> FittedRecord:
     """A record's chat, its samples (tokens, targets, fate) and what was cut; ValueError saying
-    what is wrong with a bad record."""
+    what is wrong with a bad record, unless on_bad_sample skips it: then one dropped sample, and
+    the reason in `skipped`."""
+    problem = record_problem(record, source, masking, known_roles(masking, tokenizer))
+    if problem is not None:
+        kind, reason = problem
+        if bad_sample_action(kind, on_bad_sample) == "error":
+            raise ValueError(reason)
+        fate = SampleFate.DROPPED_NO_LOSS if kind == "no_trained_turn" else SampleFate.DROPPED_BAD
+        return FittedRecord([], [([], [], fate)], 0, [0], skipped=reason)
     chat = chat_record(record, source)
     messages, cut = without_untrained_tail(conversation_from_record(chat), masking.roles)
     tools = tools_from_record(chat)
@@ -350,7 +458,7 @@ def fit_record(
     fitted = [
         fit_to_length(ids, targets, seq_len=seq_len, overlong=policy) for ids, targets in samples
     ]
-    return FittedRecord(messages, fitted, cut)
+    return FittedRecord(messages, fitted, cut, [len(ids) for ids, _ in samples])
 
 
 # ---------------------------------------------------------------------------------------------

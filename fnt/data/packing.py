@@ -118,8 +118,9 @@ def pack_rows(
 def step_metrics(plan: StepPlan, corpus: Corpus, *, seq_len: int) -> dict[str, float]:
     """Data metrics of a whole step (all ranks), so they are the same on every rank.
 
-    data/truncated, data/dropped_overlong, data/dropped_no_loss: samples this step consumed with
-    that fate. data/num_samples, data/num_tokens: packed samples and their (non-pad) tokens.
+    data/truncated, data/dropped_overlong, data/dropped_no_loss, data/dropped_bad: samples this
+    step consumed with that fate. data/num_samples, data/num_tokens: packed samples and their
+    (non-pad) tokens.
     data/loss_tokens: target tokens, e.g. to normalize the loss over all ranks and micro-batches.
     data/pad_fraction: padded share of the step's batch_size * seq_len positions.
     With two or more sources, progress/{source}/ratio_samples and ratio_tokens: each source's share
@@ -133,6 +134,7 @@ def step_metrics(plan: StepPlan, corpus: Corpus, *, seq_len: int) -> dict[str, f
         "data/truncated": float(fates.count(SampleFate.TRUNCATED)),
         "data/dropped_overlong": float(fates.count(SampleFate.DROPPED_OVERLONG)),
         "data/dropped_no_loss": float(fates.count(SampleFate.DROPPED_NO_LOSS)),
+        "data/dropped_bad": float(fates.count(SampleFate.DROPPED_BAD)),
         "data/num_samples": float(len(packed)),
         "data/num_tokens": float(total_tokens),
         "data/loss_tokens": float(sum(int(corpus.tokens(i)[1].sum()) for i in packed)),

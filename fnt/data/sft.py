@@ -123,6 +123,7 @@ def load_source_data(
         masking=chat_masking(data_cfg, tokenizer),
         progress=progress,
         cache=cache,
+        on_bad_sample=data_cfg.on_bad_sample,
     )
     order = SampleOrder(
         source_sizes=corpus.source_sizes,

@@ -59,3 +59,19 @@ def test_runs_and_marked_text():
     ]
     assert list(runs([], [])) == []
     assert marked_text([("a", False), ("b", True)], color=False) == "a[[b]]"
+
+
+def test_show_data_gives_a_dropped_samples_length_and_the_limit(tiny_model_dir, tmp_path):
+    """The issue: an over-long chat showed as `0 tokens (0 trained, 0 context)`."""
+    path = tmp_path / "long.jsonl"
+    long_chat = {"messages": [{"role": "user", "content": "x" * 300}, CHAT["messages"][2]]}
+    path.write_text(json.dumps(long_chat) + "\n")
+    args = config_args("examples/debug/sft.toml", tiny_model_dir, tmp_path / "run")
+    sources = json.dumps([{"path": str(path)}])
+    proc = run_cli(
+        "show-data", *args, "--data.kind", "sources", "--data.sources", sources, "--seq-len", "64"
+    )
+    header = proc.stdout.splitlines()[0]
+    assert header.startswith(f"== {path}, line 1: ")
+    assert ", over seq_len=64, dropped_overlong;" in header
+    assert int(header.split(": ")[1].split()[0]) > 300  # its real length, not 0

@@ -158,3 +158,72 @@ def test_sources_are_named_by_file_stem_unless_named_and_names_must_be_unique(tm
 def test_an_unknown_overlong_policy_is_rejected_before_reading(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="data.overlong must be one of"):
         load_corpus([source(tmp_path / "missing.jsonl")], tokenizer, seq_len=64, overlong="wrap")
+
+
+def chat(*roles: str, content: object = "x") -> str:
+    return json.dumps({"messages": [{"role": role, "content": content} for role in roles]})
+
+
+def test_an_unknown_role_is_a_located_error(tmp_path, tokenizer):
+    """The issue: a misspelled role ("usr") trained silently."""
+    path = write(tmp_path / "train.jsonl", [GOOD, chat("usr", "assistant")])
+    with pytest.raises(DataError, match=re.escape(f"{path}, line 2: messages[0] has role 'usr'")):
+        load_corpus([source(path)], tokenizer, seq_len=64, overlong="truncate")
+
+
+def test_bad_chats_are_listed_first_few_then_counted(tmp_path, tokenizer):
+    bad = [chat("usr", "assistant"), chat("user", "assistant", content=3)] * 3
+    path = write(tmp_path / "train.jsonl", [GOOD, *bad])
+    with pytest.raises(DataError) as caught:
+        load_corpus([source(path)], tokenizer, seq_len=64, overlong="truncate")
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith(f"{path}: 6 bad records (data.on_bad_sample='auto'")
+    assert lines[1:] == [
+        f"  {path}, line 2: messages[0] has role 'usr', which the chat template does not render "
+        "(known roles: assistant, system, tool, user)",
+        f"  {path}, line 3: messages[0] needs a string 'content'",
+        f"  {path}, line 4: messages[0] has role 'usr', which the chat template does not render "
+        "(known roles: assistant, system, tool, user)",
+        "  ... and 3 more",
+    ]
+
+
+def test_a_chat_without_a_trained_turn_is_skipped_with_a_located_note(tmp_path, tokenizer):
+    path = write(tmp_path / "noassist.jsonl", [GOOD, chat("system", "user"), GOOD])
+    corpus = load_corpus([source(path)], tokenizer, seq_len=64, overlong="truncate")
+    assert corpus.fates == (SampleFate.KEPT, SampleFate.DROPPED_NO_LOSS, SampleFate.KEPT)
+    assert corpus.notes == (
+        f"{path}: 1 chats left out (data.on_bad_sample='auto'): {path}, line 2: no message of a "
+        "trained role (assistant; data.loss_mask)",
+    )
+    with pytest.raises(DataError, match=re.escape(f"{path}, line 2: no message of a trained")):
+        load_corpus(
+            [source(path)], tokenizer, seq_len=64, overlong="truncate", on_bad_sample="error"
+        )
+
+
+def test_skip_leaves_bad_chats_out_and_says_where(tmp_path, tokenizer):
+    path = write(tmp_path / "train.jsonl", [GOOD, chat("usr", "assistant"), GOOD])
+    corpus = load_corpus(
+        [source(path)], tokenizer, seq_len=64, overlong="truncate", on_bad_sample="skip"
+    )
+    assert corpus.fates == (SampleFate.KEPT, SampleFate.DROPPED_BAD, SampleFate.KEPT)
+    assert f"{path}, line 2: messages[0] has role 'usr'" in corpus.notes[0]
+
+
+def test_a_role_the_template_names_is_known(tmp_path, tokenizer):
+    from fnt.data.chat import ChatMasking, template_roles
+
+    template = (
+        "{% for m in messages %}{% if m.role == 'ipython' %}<tool>{{ m.content }}{% else %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert template_roles(template) == {"system", "user", "assistant", "tool", "ipython"}
+    assert "developer" in template_roles("{% if message['role'] in ['developer', 'system'] %}")
+    path = write(tmp_path / "train.jsonl", [chat("user", "ipython", "assistant")])
+    masking = ChatMasking(stop_ids=frozenset({tokenizer.eos_token_id}), chat_template=template)
+    corpus = load_corpus(
+        [source(path)], tokenizer, seq_len=64, overlong="truncate", masking=masking
+    )
+    assert corpus.fates == (SampleFate.KEPT,)

@@ -137,6 +137,7 @@ def test_step_metrics_count_fates_and_measure_sources_tokens_and_padding(make_co
         "data/truncated": 0.0,
         "data/dropped_overlong": 0.0,
         "data/dropped_no_loss": 1.0,
+        "data/dropped_bad": 0.0,
         "data/num_samples": 3.0,
         "data/num_tokens": 12.0,
         "data/loss_tokens": 3.0 + 5.0 + 1.0,
