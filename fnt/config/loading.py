@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
+from fnt.config.aliases import alias_hint
 from fnt.config.schema import Config, all_keys, field_types, flatten, type_name
 from fnt.errors import ConfigError
 
@@ -133,6 +134,9 @@ def _parse_cli_list(text: str) -> Any:
 
 
 def _suggest(key: str, known: list[str]) -> str:
+    alias = alias_hint(key, known)
+    if alias:
+        return alias
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not close:
         # A wrong last part under a right section ("optim.lrr") is the common typo.
