@@ -160,7 +160,7 @@ def load_corpus(
         if samples.trailing
     ) + tuple(
         skipped_note(source_label(source), samples.skipped, on_bad_sample)
-        for source, (_, samples) in zip(sources, parts)
+        for source, (_, (samples, _)) in zip(sources, parts)
         if samples.skipped
     )
     return dataclasses.replace(corpus, notes=notes)
