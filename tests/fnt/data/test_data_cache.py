@@ -15,7 +15,7 @@ import pytest
 import fnt.data.load as load_module
 from fnt.config import DataSourceConfig
 from fnt.data import DataError, load_corpus
-from fnt.data.cache import DataCache, merge_shares
+from fnt.data.cache import CACHE_FORMAT, DataCache, merge_shares
 from fnt.data.chat import ChatMasking
 from fnt.data.load import tokenize_share
 from fnt.model.tokenizer import stop_token_ids
@@ -220,7 +220,7 @@ def rewrite_format(entry: Path) -> None:
     with open(entry, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         meta = json.loads(fh.read(size))["__metadata__"]
-    save_file(load_file(entry), entry, metadata={**meta, "format": "3"})
+    save_file(load_file(entry), entry, metadata={**meta, "format": str(CACHE_FORMAT + 1)})
 
 
 DAMAGES = {
@@ -234,7 +234,10 @@ DAMAGES = {
         "unreadable header",
     ),
     "empty": (lambda p: p.write_bytes(b""), "0 bytes, not a cache entry (truncated)"),
-    "format": (rewrite_format, "written in cache format '3'; this fnt reads format 2"),
+    "format": (
+        rewrite_format,
+        f"written in cache format '{CACHE_FORMAT + 1}'; this fnt reads format {CACHE_FORMAT}",
+    ),
 }
 
 
