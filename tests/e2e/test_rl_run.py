@@ -1,4 +1,5 @@
-"""scripts/rl.py end to end with the in-process engine: rows, keys, exact resume; with LoRA."""
+"""scripts/rl.py end to end with the in-process engine: rows, keys, exact resume (after a copied
+crash, and after a real SIGKILL of a multi-turn run); with LoRA."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from tests.e2e.helpers import (
     model_weights,
     read_metrics,
     run_cli,
+    run_fnt,
+    run_killed,
 )
 
 RL_KEYS = {
@@ -93,21 +96,39 @@ MULTI_TURN = (
 )
 
 
+# (ranks, async_level, the fault): SIGKILL after step 3's update (resumed from step_2), also on
+# rank 1 only, and inside the final save's shard writes (resumed from step_2 too).
+KILLS = [
+    pytest.param(0, 1, "step@3", id="1rank-async1-after-the-update"),
+    pytest.param(0, 0, "row@3", id="1rank-async0-after-the-row", marks=pytest.mark.slow),
+    pytest.param(2, 0, "shards@4:1", id="2ranks-async0-rank1-shards", marks=pytest.mark.slow),
+    pytest.param(
+        2, 1, "step@3:1", id="2ranks-async1-rank1-after-the-update", marks=pytest.mark.slow
+    ),
+]
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("async_level", [0, 1])
-def test_a_multi_turn_run_resumes_exactly(policy_dir, tmp_path, async_level):
+@pytest.mark.parametrize("nproc, async_level, fault", KILLS)
+def test_a_multi_turn_run_killed_with_sigkill_resumes_exactly(
+    policy_dir, tmp_path, nproc, async_level, fault
+):
     """The feedback environment (hints and retries) with the in-process engine and the policy
-    that stops (tests/conftest.py): episodes of several turns, and k steps + crash + resume ==
-    N steps, also with async_level = 1."""
-    extra = (*MULTI_TURN, "--rollout.async-level", str(async_level))
+    that stops (tests/conftest.py): episodes of several turns; a run SIGKILLed at a fault point
+    (fnt.faults) and resumed == the uninterrupted run, row for row and weight for weight, at
+    one and two ranks and with async_level = 1."""
+    extra = (*MULTI_TURN, "--rollout.async-level", str(async_level), "--ckpt.interval", "2")
     full = tmp_path / "full"
-    run_cli("rl", *rl_args(policy_dir, full, "--ckpt.interval", "2", *extra))
+    run_fnt("rl", *rl_args(policy_dir, full, *extra), nproc=nproc)
     rows = read_metrics(full)
     assert any(r["rollout/turns/mean"] > 1 for r in rows)
     assert all(r["rollout/context_tokens"] > 0 for r in rows)
     assert all("reward/final/mean" in r and "reward/first/mean" in r for r in rows)
-    resumed = tmp_path / "resumed"
-    copy_crashed_run(full, resumed, 2)
-    run_cli("rl", *rl_args(policy_dir, resumed, "--resume", "latest", *extra))
+
+    killed = tmp_path / "killed"
+    run_killed(*rl_args(policy_dir, killed, *extra), fault=fault, nproc=nproc, script="rl.py")
+    assert (killed / "checkpoints" / "step_2").is_dir()
+    assert not (killed / "checkpoints" / "step_4").is_dir()
+    run_fnt("rl", *rl_args(policy_dir, killed, "--resume", "latest", *extra), nproc=nproc)
     keys = (*EXACT, "rollout/turns/mean", "rollout/sampled_tokens", "reward/final/mean")
-    assert_resumed_run_matches(full, resumed, 2, 4, keys, tmp_path)
+    assert_resumed_run_matches(full, killed, 0, 4, keys, tmp_path)
