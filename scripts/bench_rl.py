@@ -28,8 +28,22 @@ fnt with the in-process engine. It reports seconds per step and generation token
 (rollout/tokens_per_second: the step's completion tokens over the time spent producing them,
 loading the weights into the server included).
 
+`--multi-turn` times multi-turn episodes against single-turn ones with the same number of
+sampled tokens, both with fnt's in-process engine, step by step in turn: 3-turn episodes of the
+reverse-text task (examples/reverse_text/environments.py:three_turns: every answer but the
+third gets a hint, the first half of the reversal) of 8 prompts x 8 samples, against
+single-turn episodes of 24 prompts x 8 samples (three times the episodes, one turn each). The
+demo's base model never stops (its answers all run to max_new_tokens, which truncates an
+episode), so this case starts from the demo's SFT result, trained here under --work first
+(about a minute) unless --model names a model that ends its turns. It reports seconds per step,
+sampled tokens per step and sampled tokens per second of the whole step (rollout and update);
+the ratio is single-turn tokens/s over multi-turn tokens/s (target: at most 1.3). Measured
+2.06 on 2 shared CPU cores (README, "Running RL"): a later turn's generate prefills the whole
+episode so far again (no KV cache is kept across turns), and an episode's context (prompt,
+hints, template text) is trained with it, so a step processes several times the tokens.
+
     python scripts/bench_rl.py [--steps 12] [--warmup 2] [--model DIR --prompts FILE] [--work DIR]
-                               [--engine vllm [--vllm-url URL | --vllm PROGRAM]]
+                               [--engine vllm [--vllm-url URL | --vllm PROGRAM]] [--multi-turn]
 """
 
 from __future__ import annotations
@@ -320,6 +334,108 @@ def compare_with_bare(args, task: list[str], model: Path, work: Path) -> dict:
     return result
 
 
+MULTI_TURN_ENV = "examples.reverse_text.environments:three_turns"
+
+
+def demo_sft_model(work: Path, model: Path) -> Path:
+    """The demo's SFT result (examples/reverse_text/sft.toml from `model`), exported under
+    `work` unless it is there already."""
+    sft_hf = work / "reverse-sft-hf"
+    if (sft_hf / "config.json").is_file():
+        return sft_hf
+    data = work / "reverse-data"
+    sources = json.dumps([{"path": str(data / "sft.jsonl")}])
+    sft_args = ["--config", str(DEMO / "sft.toml"), f"--model.name={model}"]
+    sft_args += [f"--output-dir={work / 'reverse-sft'}", f"--data.sources={sources}"]
+
+    def run(script: str, *args: str) -> None:
+        command = [sys.executable, str(REPO / "scripts" / script), *args]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+    run("sft.py", *sft_args)
+    steps = json.loads((work / "reverse-sft" / "config.json").read_text())["max_steps"]
+    checkpoint = work / "reverse-sft" / "checkpoints" / f"step_{steps}"
+    run("export_hf.py", "--checkpoint", str(checkpoint), "--out", str(sft_hf))
+    return sft_hf
+
+
+def compare_turns(args, task: list[str], work: Path) -> dict:
+    """3-turn episodes against single-turn ones of as many sampled tokens (module docstring),
+    step by step in turn; prints the table and returns the JSON result."""
+    from fnt import init_state, rl_source, setup_trainer, to_floats
+    from steps import rl_step
+
+    if str(REPO) not in sys.path:  # the environment's module: examples.reverse_text
+        sys.path.insert(0, str(REPO))
+    # Capacity for every sample in a row of its own; the micro-batches follow the lengths.
+    shape = ["--batch_size=192", "--micro_batch_size=8", "--rollout.group_size=8"]
+    multi = [f"--rollout.environment={MULTI_TURN_ENV}", "--rollout.max_turns=3"]
+    max_new_tokens = fnt_config(task, work / "unused", 0).rollout.max_new_tokens
+    configs = {
+        "multi_turn": fnt_config(
+            task, work / "fnt-multi-turn", 0, *shape, *multi, "--rollout.prompts_per_step=8"
+        ),
+        "single_turn": fnt_config(
+            task, work / "fnt-single-turn", 0, *shape, "--rollout.prompts_per_step=24"
+        ),
+    }
+    runtime = setup_trainer(configs["multi_turn"])
+    states = {side: init_state(config, runtime) for side, config in configs.items()}
+    keys = ("step_s", "rollout_s", "sampled", "context", "turns", "reward")
+    seen = {side: {k: [] for k in keys} for side in states}
+    for i in range(args.warmup + args.steps):
+        for side, state in states.items():
+            state, rolled, updated, row = fnt_step(state, rl_source, rl_step, to_floats)
+            states[side] = state
+            if i >= args.warmup:
+                for key, value in zip(
+                    keys,
+                    (
+                        rolled + updated,
+                        rolled,
+                        row["rollout/sampled_tokens"],
+                        row["rollout/context_tokens"],
+                        row["rollout/turns/mean"],
+                        row["reward/mean"],
+                    ),
+                ):
+                    seen[side][key].append(value)
+    for state in states.values():
+        state.handles.rollouts.close()
+
+    result: dict = {"case": "multi_turn", "steps": args.steps, "threads": torch.get_num_threads()}
+    print(
+        f"multi_turn: 8 prompts x 8 episodes of 3 turns, single_turn: 24 prompts x 8 of one; "
+        f"<= {max_new_tokens} new tokens a turn; "
+        f"{torch.get_num_threads()} thread(s), median of {args.steps} steps after {args.warmup}"
+    )
+    print(
+        f"{'':12} {'step s':>7} {'rollout s':>9} {'sampled tok':>11} {'context tok':>11} "
+        f"{'turns':>6} {'sampled tok/s':>13}"
+    )
+    for side, values in seen.items():
+        # tokens/s of each step, then the median: the step's sampled tokens over its seconds
+        rate = median([n / t for n, t in zip(values["sampled"], values["step_s"])])
+        row = {
+            "step_s": median(values["step_s"]),
+            "rollout_s": median(values["rollout_s"]),
+            "sampled_tokens": statistics.fmean(values["sampled"]),
+            "context_tokens": statistics.fmean(values["context"]),
+            "turns_mean": statistics.fmean(values["turns"]),
+            "sampled_tok_s": rate,
+            "reward_mean": statistics.fmean(values["reward"]),
+        }
+        print(
+            f"{side:12} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['sampled_tokens']:11.0f} "
+            f"{row['context_tokens']:11.0f} {row['turns_mean']:6.2f} {rate:13.0f}"
+        )
+        result |= {f"{side}_{k}": v for k, v in row.items()}
+    ratio = result["single_turn_sampled_tok_s"] / result["multi_turn_sampled_tok_s"]
+    print(f"sampled tokens/s single_turn / multi_turn = {ratio:.3f} (target <= 1.3)")
+    result["tok_s_ratio"] = ratio
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12, help="measured steps per side")
@@ -336,14 +452,23 @@ def main() -> None:
     )
     p.add_argument("--vllm-url", help="a running vLLM server for the run (else one is started)")
     p.add_argument("--vllm", help="the vllm program to start (default: $FNT_VLLM, .venv-vllm)")
+    p.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="3-turn episodes against single-turn ones of as many sampled tokens (in-process)",
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         model, prompts = demo_inputs(work)
         model, prompts = args.model or model, args.prompts or prompts
+        if args.multi_turn:
+            model = args.model or demo_sft_model(work, model)
         task = task_args(model, prompts)
-        if args.engine == "in_process":
+        if args.multi_turn:
+            result = compare_turns(args, task, work)
+        elif args.engine == "in_process":
             result = compare_with_bare(args, task, model, work)
         elif args.vllm_url:
             result = compare_engines(args, task, work, args.vllm_url)
