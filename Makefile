@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo test test-slow test-numerics test-vllm vllm-env bench lint clean
+.PHONY: setup demo demo-multiturn test test-slow test-numerics test-vllm vllm-env bench lint clean
 
 setup: $(VENV)/.installed $(VENV)/.native
 
@@ -26,6 +26,11 @@ $(VENV)/.native: $(VENV)/.installed native/adamw.cpp native/build.py
 # The reverse-text demo: tiny model, SFT, RL, with held-out evals; its last line is JSON.
 demo: $(VENV)/.installed
 	$(PY) examples/reverse_text/demo.py --runs $(RUNS)
+
+# The multi-turn demo: SFT on transcripts with hints, RL with the feedback environment, held-out
+# first-answer and episode similarity before and after RL; its last line is JSON.
+demo-multiturn: $(VENV)/.installed
+	$(PY) examples/reverse_text/demo_multiturn.py --runs $(RUNS)
 
 test: setup
 	$(PY) -m pytest -q
