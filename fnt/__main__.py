@@ -35,6 +35,8 @@ commands:
   export           write a checkpoint as a Hugging Face model directory
   make-tiny-model  write a tiny Hugging Face model for tests and demos
   show-data        print SFT samples, trained tokens marked: fnt show-data --config FILE [--n 3]
+  show-rollouts    print an RL step's trajectories, sampled tokens marked:
+                   fnt show-rollouts --config FILE [--step N] [--n 3]
   inspect          summarize a run directory: fnt inspect RUN [--json] [--diff OTHER_RUN]
   plot             plot runs' metrics as one PNG: fnt plot RUN [RUN...] [--out FILE.png]
 
@@ -175,6 +177,12 @@ def show_data(argv: list[str]) -> None:
     main(argv)
 
 
+def show_rollouts(argv: list[str]) -> None:
+    from fnt.apps.show_rollouts import main
+
+    main(argv)
+
+
 def inspect_run(argv: list[str]) -> None:
     from fnt.apps.inspect import main
 
@@ -195,6 +203,7 @@ COMMANDS = {
     "export": export,
     "make-tiny-model": make_tiny_model,
     "show-data": show_data,
+    "show-rollouts": show_rollouts,
     "inspect": inspect_run,
     "plot": plot,
 }

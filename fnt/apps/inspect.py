@@ -12,7 +12,8 @@ parses; until then it is left out, with a note. Any other line that is not a row
 
 - `run`: the directory's name; `path`: the path as given;
 - `model`: config `model.name`; `step`: the last row's step; `max_steps`: config `max_steps`;
-- `metrics`: the last row's key metrics (`KEY_METRICS` and any `val/*` keys it has), by key;
+- `metrics`: the last row's key metrics (`KEY_METRICS`, with an RL run's episode counts, and
+  any named rewards `reward/NAME/mean` and `val/*` keys it has), by key;
 - `num_tokens`, `num_samples`: the last row's `progress/num_tokens` and `progress/num_samples`;
 - `wall_time_s`: the last row's `time` minus the first row's, plus the first step's own
   `time/step` (a pause between a crash and its resume counts too);
@@ -67,6 +68,13 @@ KEY_METRICS = (
     "reward/mean",
     "entropy/all/mean",
     "mismatch_kl/all/mean",
+    # RL episodes (fnt.rollout.base.episode_metrics): how many, their turns, tool calls and
+    # failed ones per episode, the ones cut by a limit; then each named reward (reward/NAME/mean).
+    "rollout/episodes",
+    "rollout/turns/mean",
+    "rollout/tool_calls/mean",
+    "rollout/tool_errors/mean",
+    "rollout/truncated_episodes",
 )
 ABSENT = "<absent>"
 
@@ -159,9 +167,17 @@ def _row(line: str) -> Optional[dict]:
 
 
 def default_keys(present: Collection[str]) -> list[str]:
-    """The key metrics among `present`, then its `val/*` keys, sorted. Pure."""
-    return [key for key in KEY_METRICS if key in present] + sorted(
-        key for key in present if key.startswith("val/")
+    """The key metrics among `present`, then its named rewards (`reward/NAME/mean`) and `val/*`
+    keys, each sorted. Pure."""
+    named = sorted(
+        key
+        for key in present
+        if key.startswith("reward/") and key.endswith("/mean") and key.count("/") == 2
+    )
+    return (
+        [key for key in KEY_METRICS if key in present]
+        + named
+        + sorted(key for key in present if key.startswith("val/"))
     )
 
 

@@ -230,3 +230,36 @@ def test_inspect_plot_and_the_run_directory_rules_load_without_torch():
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_inspect_shows_a_multi_turn_runs_episodes_and_named_rewards(tmp_path, capsys):
+    episodes = {
+        "reward/mean": 0.5,
+        "rollout/episodes": 8.0,
+        "rollout/turns/mean": 2.25,
+        "rollout/tool_calls/mean": 1.5,
+        "rollout/tool_errors/mean": 0.25,
+        "rollout/truncated_episodes": 1.0,
+        "reward/final/mean": 0.5,
+        "reward/first/mean": 0.25,
+        "reward/std": 0.1,  # not a named reward
+    }
+    run = write_run(tmp_path / "rl", config("runs/rl", 1e-3), [row(1, **episodes)])
+
+    main(["inspect", str(run), "--json"])
+    metrics = json.loads(capsys.readouterr().out)["metrics"]
+    assert list(metrics)[4:] == [
+        "reward/mean",
+        "rollout/episodes",
+        "rollout/turns/mean",
+        "rollout/tool_calls/mean",
+        "rollout/tool_errors/mean",
+        "rollout/truncated_episodes",
+        "reward/final/mean",
+        "reward/first/mean",
+    ]
+    assert metrics["rollout/turns/mean"] == 2.25 and metrics["reward/first/mean"] == 0.25
+
+    main(["inspect", str(run)])
+    text = capsys.readouterr().out
+    assert "rollout/tool_errors/mean" in text and "reward/final/mean" in text
