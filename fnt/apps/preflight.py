@@ -92,6 +92,17 @@ def check_model_and_data(config: Config, model_name_source: str) -> None:
     check_data(config)
 
 
+def check_rollout_inputs(config: RLConfig, model_name_source: str) -> None:
+    """What `fnt show-rollouts` reads: `require_model`, what runs the episodes
+    (`require_episodes`) and the first record of rollout.prompts."""
+    require_model(config, model_name_source)
+    require_episodes(config.rollout)
+    first = first_record(config.rollout.prompts, "rollout.prompts")
+    from fnt.rollout.prompts import prompt_messages
+
+    check_record(first, prompt_messages)
+
+
 def require_model(config: Config, model_name_source: str) -> None:
     """The model directory, and its tokenizer where one is needed."""
     require_model_dir(config.model.name, model_name_source)

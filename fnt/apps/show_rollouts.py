@@ -58,11 +58,13 @@ def main(argv: list[str]) -> None:
     )
     args, rest = parser.parse_known_args(argv)
     from fnt.apps.cli import parse_config
+    from fnt.apps.preflight import check_rollout_inputs
     from fnt.config import ConfigError, RLConfig
 
-    config, _ = parse_config(rest, RLConfig)
+    config, model_name_source = parse_config(rest, RLConfig)
     if args.step < 1 or args.n < 1:
         raise ConfigError(f"--step and --n must be >= 1, got {args.step} and {args.n}")
+    check_rollout_inputs(config, model_name_source)
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     show(config, args.step, args.n, color)
 

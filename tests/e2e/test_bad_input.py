@@ -246,6 +246,18 @@ ROWS = [
     Row("show-data", "wrong kind of path", "model.name is a file",
         (*SFT, "--model.name", FILE, *DATA, '[{"path": "<world>/data.jsonl"}]'),
         "no Hugging Face model there"),
+    # fnt show-rollouts
+    Row("show-rollouts", "missing path", "--config missing",
+        ("--config", "<world>/no.toml"), "config file not found"),
+    Row("show-rollouts", "missing path", "prompts file missing",
+        (*RL, "--rollout.prompts", "<world>/missing.jsonl"), "'rollout.prompts' ="),
+    Row("show-rollouts", "missing path", "model.name missing",
+        (*RL, "--model.name", "<world>/no-model"), "no Hugging Face model there"),
+    Row("show-rollouts", "wrong kind of path", "prompts path is a directory",
+        (*RL, "--rollout.prompts", EMPTY), "Is a directory"),
+    Row("show-rollouts", "bad reference", "environment module cannot be imported",
+        (*RL, "--rollout.environment", "nosuchenv:make"),
+        "'rollout.environment' = 'nosuchenv:make': cannot import module 'nosuchenv'"),
     # fnt vllm-serve
     Row("vllm-serve", "missing path", "--config missing",
         ("--config", "<world>/no.toml"), "config file not found"),
