@@ -95,6 +95,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "model.dtype": FIXED,  # loading float32 weights into lower-precision parameters rounds them
     "model.compute_dtype": MAY_CHANGE,  # checkpoints stay float32
     "model.ac": MAY_CHANGE,
+    "model.compile": MAY_CHANGE,  # the same math; results agree within float rounding
     "model.attn_implementation": MAY_CHANGE,
     "model.loss_chunk_tokens": MAY_CHANGE,
     "model.lora.rank": FIXED,  # the adapters' shapes, and which parameters a checkpoint holds

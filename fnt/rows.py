@@ -17,6 +17,10 @@ handle, an fnt.state.Evaluator):
   as val/start/loss, val/start/perplexity, val/start/num_tokens, val/start/reward/mean. They have
   keys of their own because val/* of a row always describe the model that row ends with: row
   S + 1 has val/* itself when S + 1 is a multiple of val.interval.
+- Every row of a run with model.compile has time/compile, the seconds the process spent
+  compiling since the previous row's evaluations (the step, its source and the save after the
+  previous row; fnt.model.compile), which perf/* leave out, and perf/compile_graphs, the graphs
+  compiled in that time. An evaluation's compiling counts in its time/val.
 - Every row of a run with validation has time/val, the seconds the row's evaluations took (0
   when none ran), so that time/step stays the optimizer step's time.
 """
@@ -27,6 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
+from fnt.model.compile import compile_totals
 from fnt.model.loading import model_facts
 from fnt.obs.metrics import (
     disk_metrics,
@@ -105,8 +110,9 @@ def log_step_metrics(
 
     The row holds `step` and `time`, the shared metrics and the step function's `metrics`
     (tensors become floats here: the step's one host sync): perf/* (`num_tokens` over
-    `step_time` seconds on the runtime's world size, MFU from `flops_per_token` and the
-    device's `peak_flops`, peak memory), time/step and the other time/* keys of `timing`,
+    `step_time` seconds, less the time/compile of `timing`, on the runtime's world size, MFU
+    from `flops_per_token` and the device's `peak_flops`, peak memory), time/step and the
+    other time/* keys of `timing`,
     system/ckpt_disk_* of the filesystem of `ckpt_dir`, and progress/* of `progress`. The
     driver's rows are made here too (`RowBuilder.row`), so a loop of your own that calls this
     writes the rows `fnt sft` and `fnt rl` write. Side effects: the clock, the peak-memory and
@@ -114,7 +120,7 @@ def log_step_metrics(
     """
     perf = perf_metrics(
         num_tokens,
-        step_time,
+        step_time - (timing or {}).get("time/compile", 0.0),
         runtime.world_size,
         flops_per_token,
         peak_flops,
@@ -161,6 +167,7 @@ class RowBuilder:
         )
         self.tokens_before = state.progress.total_tokens
         self.save_seconds = 0.0
+        self.compiled = compile_totals() if config.model.compile else None
 
     def row(
         self, state: TrainState, metrics: Mapping[str, Any], timing: Mapping[str, float]
@@ -172,10 +179,17 @@ class RowBuilder:
             progress.total_tokens - self.tokens_before,
             progress.total_tokens,
         )
+        compiling: dict[str, float] = {}
+        if self.compiled is not None:
+            compiled = compile_totals() - self.compiled
+            timing = {**timing, "time/compile": compiled.seconds}
+            compiling = {"perf/compile_graphs": float(compiled.graphs)}
         evaluation = self.evaluation.row_metrics(state)  # evaluates when the step is due
+        if self.compiled is not None:
+            self.compiled = compile_totals()
         row = log_step_metrics(
             progress.step,
-            merge_metrics(to_floats(metrics), evaluation),
+            merge_metrics(to_floats(metrics), evaluation, compiling),
             runtime=self.runtime,
             step_time=timing["time/step"],
             num_tokens=tokens,

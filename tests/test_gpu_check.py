@@ -62,3 +62,21 @@ def test_the_memory_benchmark_prints_its_json_line(tmp_path):
     assert set(result["steps"]) == {"256", "512"}
     for row in result["steps"].values():
         assert {"bare", "fnt_sft", "fnt_rl"} <= set(row)
+
+
+@pytest.mark.slow
+def test_the_compile_comparison_runs_at_a_tiny_shape(tmp_path):
+    result = run_json(
+        "scripts/bench_throughput.py",
+        "--tiny",
+        "--compile",
+        "--steps",
+        "3",
+        "--work",
+        str(tmp_path),
+        timeout=600,
+    )
+    assert result["shape"] == "tiny" and result["steps"] == 3
+    assert result["compile_seconds"] > 0 and result["compile_graphs"] >= 1
+    assert result["eager_step_seconds"] > 0 and result["compiled_step_seconds"] > 0
+    assert result["break_even_steps"] is None or result["break_even_steps"] >= 1

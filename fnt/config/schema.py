@@ -59,6 +59,8 @@ class ModelConfig:
     """Dtype of compute; bfloat16 with float32 parameters keeps float32 masters and checkpoints."""
     ac: bool = False
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (regional, before FSDP2 shards it)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
     """Attention kernel; flash kernels (CUDA) get document boundaries, sdpa/eager a T x T mask."""
     loss_chunk_tokens: int = 1024

@@ -57,6 +57,12 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         "schedule.min_lr",
         f"must not exceed optim.lr = {config.optim.lr}",
     )
+    require(
+        not (config.model.compile and config.model.ac),
+        "model.compile",
+        "not with model.ac: torch.compile cannot trace transformers' checkpointed decoder layers "
+        "(they would run eagerly); turn one of them off",
+    )
     require(config.ckpt.interval >= 0, "ckpt.interval", "must be >= 0 (0 = final step only)")
     require(config.ckpt.keep_last >= 0, "ckpt.keep_last", "must be >= 0 (0 = keep all)")
     require(config.runtime.num_threads >= 0, "runtime.num_threads", "must be >= 0 (0 = auto)")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
+from fnt.model.compile import compile_layers_
 from fnt.model.lora import add_adapters_, init_adapters_
 from fnt.model.sharded_load import load_shards_, params_on_meta
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
@@ -80,8 +81,8 @@ def empty_hf_model(model_config: ModelConfig) -> nn.Module:
 def load_model(
     model_config: ModelConfig, runtime: Runtime, plan: OffloadPlan = NO_OFFLOAD, seed: int = 0
 ) -> nn.Module:
-    """The model for training, with LoRA adapters, activation checkpointing and FSDP2 as
-    configured.
+    """The model for training, with LoRA adapters, activation checkpointing, compiled decoder
+    layers (model.compile, fnt.model.compile) and FSDP2 as configured.
 
     In one process it is `from_pretrained`. Under torchrun no rank loads the whole model: it is
     built on the meta device, sharded, allocated on the device, and each rank reads its shards
@@ -110,6 +111,8 @@ def load_model(
     model.config.use_cache = False
     if plan.autocast:
         autocast_forward_(model, runtime.device, plan)
+    if model_config.compile:  # before FSDP2 wraps the layers, so each shard unit is compiled
+        compile_layers_(decoder_layers(model))
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime), plan)
         allocate_sharded_(model, runtime.device, offloaded=plan.offload_policy is not None)

@@ -28,6 +28,8 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from fnt.model.compile import eager_layers
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -69,14 +71,15 @@ def _cache_keyword(model_class: type) -> str:
 def _last_logits(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, kv_cache
 ) -> Tensor:
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **{_cache_keyword(type(model)): kv_cache},
-    )
+    with eager_layers():  # with a cache, compiled layers recompile per layer (fnt.model.compile)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{_cache_keyword(type(model)): kv_cache},
+        )
     return out.logits[:, -1].float()
 
 

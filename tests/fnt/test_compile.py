@@ -1,0 +1,199 @@
+"""model.compile: each decoder layer compiled in place (fnt.model.compile).
+
+The fast tests compile nothing (torch compiles a layer on its first call): names, checkpoints,
+refusals, the reference model, and generation, which runs the layers eagerly. The slow ones
+train compiled: eager-vs-compiled losses at a stated tolerance (marked numerics), what a row
+says about compiling, the bound on graphs over RL's lengths, and exact resume.
+
+Tolerances (measured on the tiny model, 3 steps, CPU): float32 compiled losses equal eager ones
+to the last bit there, and are compared at 1e-5 (inductor may fuse reductions in another order
+on other CPUs); bfloat16 compute differed by 1.3e-4 and is compared at 2e-3 (bfloat16 has 8
+mantissa bits: one rounding step of a loss near 5.5 is 0.03, the mean over 64 tokens shrinks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fnt import Config, ModelConfig, fold, init_state, sft_source
+from fnt.build import reference_model, save_state_
+from fnt.config import (
+    CkptConfig,
+    ConfigError,
+    LoraConfig,
+    RLConfig,
+    RLLossConfig,
+    RuntimeConfig,
+    validate,
+)
+from fnt.dist.runtime import setup_trainer
+from fnt.loop import run
+from fnt.model.compile import compile_layers_, compile_totals, graph_limit, is_compiled
+from fnt.model.loading import decoder_layers, load_hf_model
+from fnt.rollout.sampling import generate
+from fnt.store.rundir import METRICS_FILE, ckpt_root, step_dir
+from fnt.testing import assert_resume_exact
+from steps import sft_step
+
+LORA = LoraConfig(rank=4)
+
+
+def sft_config(model_dir, out, *, max_steps=3, **model) -> Config:
+    return Config(
+        model=ModelConfig(name=str(model_dir), **model),
+        output_dir=str(out),
+        max_steps=max_steps,
+        batch_size=4,
+        micro_batch_size=2,
+        seq_len=64,
+        ckpt=CkptConfig(interval=0, save_final=False),
+        runtime=RuntimeConfig(num_threads=1),
+    )
+
+
+def losses(config: Config) -> list[float]:
+    state = init_state(config, setup_trainer(config))
+    return [float(m["loss/mean"]) for _, m in fold(state, sft_source, sft_step, config.max_steps)]
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from fnt.testing.properties import _model_tensors
+
+    return _model_tensors(directory)
+
+
+@pytest.mark.parametrize("lora", [LoraConfig(), LORA])
+def test_compiled_layers_keep_the_eager_names_in_state_dicts_and_checkpoints(
+    tiny_model_dir, tmp_path, lora
+):
+    states = {}
+    for compiled in (False, True):
+        config = dataclasses.replace(
+            sft_config(tiny_model_dir, tmp_path / str(compiled), lora=lora, compile=compiled),
+            max_steps=1,
+        )
+        states[compiled] = init_state(config, setup_trainer(config))
+    model = states[True].handles.model
+    assert all(is_compiled(layer) for layer in decoder_layers(model))
+    assert not any(is_compiled(layer) for layer in decoder_layers(states[False].handles.model))
+    keys = list(model.state_dict())
+    assert keys == list(states[False].handles.model.state_dict())
+    assert not [k for k in keys if "_orig_mod" in k]
+    saved = {}
+    for compiled, state in states.items():
+        save_state_(state)
+        saved[compiled] = checkpoint_tensors(step_dir(ckpt_root(state.config.output_dir), 0))
+    assert list(saved[True]) == list(saved[False])
+    for name, tensor in saved[False].items():
+        assert torch.equal(saved[True][name], tensor), name
+
+
+def test_compile_with_activation_checkpointing_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    config = sft_config(tiny_model_dir, tmp_path, compile=True, ac=True)
+    with pytest.raises(ConfigError) as error:
+        validate(config, world_size=1)
+    message = str(error.value)
+    assert message.startswith("'model.compile' = True: not with model.ac") and "\n" not in message
+    validate(dataclasses.replace(config, model=dataclasses.replace(config.model, ac=False)), 1)
+
+
+def test_the_reference_model_is_compiled_with_the_policy(tiny_model_dir, tiny_reference_dir):
+    config = RLConfig(
+        model=ModelConfig(name=str(tiny_model_dir), compile=True),
+        loss=RLLossConfig(ref_kl_tau=0.1, ref_source="model", ref_model=str(tiny_reference_dir)),
+    )
+    runtime = setup_trainer(config)
+    policy = load_hf_model(config.model, runtime.device)
+    reference = reference_model(config, runtime, policy)
+    assert reference is not policy
+    assert all(is_compiled(layer) for layer in decoder_layers(reference))
+
+
+def test_generation_with_compiled_layers_gives_the_eager_tokens_and_compiles_nothing(
+    policy_dir,
+):
+    def sample(model):
+        return [
+            [c.token_ids for c in completions]
+            for completions in generate(
+                model.eval(),
+                [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))],
+                num_samples=2,
+                max_new_tokens=24,
+                stop_token_ids=[0],
+                greedy=True,
+            )
+        ]
+
+    model = load_hf_model(ModelConfig(name=str(policy_dir)), torch.device("cpu"))
+    eager = sample(model)
+    compile_layers_(decoder_layers(model))
+    before = compile_totals()
+    assert sample(model) == eager
+    assert compile_totals().graphs == before.graphs
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "model, tolerance",
+    [({}, 1e-5), ({"lora": LORA}, 1e-5), ({"compute_dtype": "bfloat16"}, 2e-3)],
+    ids=["float32", "lora", "bfloat16"],
+)
+def test_compiled_sft_matches_eager_within_the_stated_tolerance(
+    tiny_model_dir, tmp_path, model, tolerance
+):
+    eager = losses(sft_config(tiny_model_dir, tmp_path / "eager", **model))
+    compiled = losses(sft_config(tiny_model_dir, tmp_path / "compiled", compile=True, **model))
+    assert compiled == pytest.approx(eager, abs=tolerance)
+
+
+@pytest.mark.slow
+def test_rows_say_what_compiled_and_fixed_sft_rows_compile_only_once(tiny_model_dir, tmp_path):
+    torch.compiler.reset()  # a graph an earlier test compiled in this process would be reused
+    config = sft_config(tiny_model_dir, tmp_path, compile=True)
+    run(config, sft_step, sft_source)
+    rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["time/compile"] >= 0 for r in rows)
+    assert rows[0]["perf/compile_graphs"] >= 1 and rows[0]["time/compile"] > 0
+    assert [r["perf/compile_graphs"] for r in rows[1:]] == [0.0, 0.0]
+    assert [r["time/compile"] for r in rows[1:]] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_rl_shaped_micro_batches_compile_a_bounded_number_of_graphs(tiny_model_dir):
+    from fnt.batch import block_causal_mask
+
+    torch.compiler.reset()
+    model = load_hf_model(ModelConfig(name=str(tiny_model_dir)), torch.device("cpu"))
+    compile_layers_(decoder_layers(model))
+    before = compile_totals()
+    # (rows, row length): lengths in multiples of ROW_MULTIPLE, row counts that fill a budget
+    for rows, length in [(2, 64), (4, 32), (1, 128), (3, 40), (8, 16), (2, 200), (1, 256)]:
+        ids = torch.randint(0, 100, (rows, length))
+        documents = (torch.arange(length) >= length // 2).long().expand(rows, length)
+        positions = torch.arange(length).expand(rows, length)
+        out = model(
+            input_ids=ids,
+            attention_mask=block_causal_mask(documents),
+            position_ids=positions,
+            use_cache=False,
+        )
+        out.logits.float().logsumexp(-1).mean().backward()
+    graphs = compile_totals().graphs - before.graphs
+    assert 1 <= graphs <= 3 < graph_limit()
+
+
+@pytest.mark.slow
+def test_sft_resumes_exactly_with_compiled_layers(tiny_model_dir, tmp_path):
+    config = dataclasses.replace(
+        sft_config(tiny_model_dir, tmp_path / "unused", max_steps=4, compile=True),
+        ckpt=CkptConfig(interval=1, keep_last=2),
+    )
+    assert_resume_exact(config, sft_step, sft_source, "step@3", workdir=tmp_path / "resume")
