@@ -1,6 +1,7 @@
 """The multi-turn reverse-text demo: tiny model -> SFT on synthetic transcripts -> RL with the
-feedback environment, with held-out episode evals in between. Side effects: writes under --runs
-and runs the scripts in subprocesses.
+feedback environment, and from the same SFT model -> SFT on tool transcripts -> RL with a tool
+environment, with held-out episode evals in between. Side effects: writes under --runs and runs
+the scripts in subprocesses.
 
 The task: reverse a string; a wrong answer gets a hint, the first half of the true reversal,
 and one more try (examples/reverse_text/environments.py:feedback, rollout.max_turns = 2). The
@@ -10,10 +11,20 @@ answer, trained on the last answer only (data.train_turns = "last"), so the mode
 a hint and never to make the mistake. RL then trains both turns of its own episodes, rewarded by
 the last answer's similarity.
 
-Its last line is one JSON object: {"sft": {...}, "rl": {...}} with, for the SFT and the RL
-result, the held-out (200 prompts, greedy) mean similarity of the first answer ("single_turn":
-what a single-turn episode scores) and of the episode's last answer ("multi_turn"), and the mean
-model turns (examples/reverse_text/eval_episodes.py).
+The tool task: "reverse the word under key 4821", where only the tool `lookup` knows the word
+(examples/reverse_text/environments.py:lookup_tool, rollout.max_turns = 2): the model must call
+it in the Hermes format (`<tool_call>{"name": "lookup", "arguments": {"key": "4821"}}</tool_call>`)
+and answer with the reversal of the tool's result. A short SFT stage on synthetic transcripts of
+such episodes (call, tool message, answer; both model turns trained) teaches the format; RL with
+the tool environment then trains on the model's own episodes, rewarded by the answer's
+similarity to the reversal.
+
+Its last line is one JSON object: {"sft": {...}, "rl": {...}, "tool_sft": {...},
+"tool_rl": {...}} with, for the feedback task's SFT and RL result, the held-out (200 prompts,
+greedy) mean similarity of the first answer ("single_turn": what a single-turn episode scores)
+and of the episode's last answer ("multi_turn"), and the mean model turns; for the tool task's,
+the held-out (200 keys, greedy) mean episode reward, tool calls and turns
+(examples/reverse_text/eval_episodes.py).
 
     python examples/reverse_text/demo_multiturn.py [--runs runs] [--seed 0]
 """
@@ -35,13 +46,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
 from examples.reverse_text.demo import TINY_MODEL  # noqa: E402
-from examples.reverse_text.environments import hint  # noqa: E402
+from examples.reverse_text.environments import (  # noqa: E402
+    hint,
+    lookup_record,
+    tool_transcript,
+)
 
 ENVIRONMENT = "examples.reverse_text.environments:feedback"
+TOOL_ENVIRONMENT = "examples.reverse_text.environments:lookup_tool"
 # Measured on 2 shared CPU cores: 80 SFT steps (demo.py's) left held-out similarity at 0.28 and
 # 60 RL steps raised the episode's to 0.30; more SFT gives RL a model that uses the hint.
 SFT_STEPS = 300
 RL_STEPS = 100
+TOOL_SFT_STEPS = 40
+TOOL_RL_STEPS = 40
+# The tool task's keys: 4 digits, disjoint between the SFT transcripts, RL and held-out prompts.
+TOOL_KEYS = {"heldout": 200, "sft": 2000, "rl": 2000}
 
 
 def script_env() -> dict[str, str]:
@@ -101,10 +121,26 @@ def write_transcripts(sft: Path, out: Path, seed: int) -> None:
     out.write_text("\n".join(lines) + "\n")
 
 
-def evaluate(model: Path, data: Path) -> dict:
+def write_tool_data(out: Path, seed: int) -> None:
+    """The tool task's files: tool_sft.jsonl (whole episodes as chats), tool_rl.jsonl and
+    tool_heldout.jsonl (prompts with the answer), on disjoint keys."""
+    rng = random.Random(f"tool keys {seed}")
+    keys = [str(k) for k in rng.sample(range(1000, 10000), sum(TOOL_KEYS.values()))]
+    split = {}
+    for name, count in TOOL_KEYS.items():
+        split[name], keys = keys[:count], keys[count:]
+    lines = [json.dumps({"messages": tool_transcript(key)}) for key in split["sft"]]
+    (out / "tool_sft.jsonl").write_text("\n".join(lines) + "\n")
+    for name in ("rl", "heldout"):
+        lines = [json.dumps(lookup_record(key)) for key in split[name]]
+        (out / f"tool_{name}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def evaluate(model: Path, data: Path, environment: str = "feedback") -> dict:
     """Held-out episodes of `model` (eval_episodes.py's last line)."""
-    args = [str(HERE / "eval_episodes.py"), "--model", str(model)]
-    stdout = run(*args, "--data", str(data / "heldout.jsonl"), capture=True)
+    heldout = data / ("heldout.jsonl" if environment == "feedback" else "tool_heldout.jsonl")
+    args = [str(HERE / "eval_episodes.py"), "--model", str(model), "--data", str(heldout)]
+    stdout = run(*args, "--environment", environment, capture=True)
     return json.loads(stdout.strip().splitlines()[-1])
 
 
@@ -120,13 +156,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, data and runs")
     p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="SFT steps")
     p.add_argument("--rl-steps", type=int, default=RL_STEPS, help="RL steps")
+    p.add_argument("--tool-sft-steps", type=int, default=TOOL_SFT_STEPS, help="tool SFT steps")
+    p.add_argument("--tool-rl-steps", type=int, default=TOOL_RL_STEPS, help="tool RL steps")
+    p.add_argument(
+        "--tasks", choices=["both", "feedback", "tool"], default="both", help="which RL tasks"
+    )
     args = p.parse_args(argv)
     runs = args.runs.resolve()
     model, data = runs / "reverse-model", runs / "reverse-data"
     sft_dir, sft_hf = runs / "multiturn-sft", runs / "multiturn-sft-hf"
     rl_dir, rl_hf = runs / "multiturn-rl", runs / "multiturn-rl-hf"
-    for stale in (sft_dir, sft_hf, rl_dir, rl_hf):  # a rerun starts over
-        shutil.rmtree(stale, ignore_errors=True)
+    tool_sft_dir, tool_sft_hf = runs / "multiturn-tool-sft", runs / "multiturn-tool-sft-hf"
+    tool_rl_dir, tool_rl_hf = runs / "multiturn-tool-rl", runs / "multiturn-tool-rl-hf"
+    stale = (sft_dir, sft_hf, rl_dir, rl_hf, tool_sft_dir, tool_sft_hf, tool_rl_dir, tool_rl_hf)
+    for directory in stale:  # a rerun starts over
+        shutil.rmtree(directory, ignore_errors=True)
     started = time.time()
     seconds: dict[str, float] = {}
     seed = ("--seed", str(args.seed))
@@ -134,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     run("scripts/make_tiny_model.py", "--out", str(model), *TINY_MODEL, *seed)
     run(str(HERE / "make_data.py"), "--out", str(data), *seed)
     write_transcripts(data / "sft.jsonl", data / "sft_multiturn.jsonl", args.seed)
+    write_tool_data(data, args.seed)
     seconds["setup"] = time.time() - started
 
     sources = json.dumps([{"path": str(data / "sft_multiturn.jsonl")}])
@@ -144,17 +189,43 @@ def main(argv: list[str] | None = None) -> None:
     result = {"sft": evaluate(sft_hf, data)}
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
-    # The single-turn demo's RL settings (rl.toml), with the feedback environment's episodes:
-    # 16 prompts x 8 episodes of at most two turns a step.
-    rl_args = ["--config", str(HERE / "rl.toml"), "--model.name", str(sft_hf), *seed]
-    rl_args += ["--rollout.prompts", str(data / "rl.jsonl"), "--output-dir", str(rl_dir)]
-    rl_args += ["--rollout.environment", ENVIRONMENT, "--rollout.max-turns", "2"]
-    rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
-    rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
-    run("scripts/rl.py", *rl_args)
-    export(rl_dir, rl_hf)
-    result["rl"] = evaluate(rl_hf, data)
-    seconds["rl"] = time.time() - started - sum(seconds.values())
+    if args.tasks != "tool":
+        # The single-turn demo's RL settings (rl.toml), with the feedback environment's
+        # episodes: 16 prompts x 8 episodes of at most two turns a step.
+        rl_args = ["--config", str(HERE / "rl.toml"), "--model.name", str(sft_hf), *seed]
+        rl_args += ["--rollout.prompts", str(data / "rl.jsonl"), "--output-dir", str(rl_dir)]
+        rl_args += ["--rollout.environment", ENVIRONMENT, "--rollout.max-turns", "2"]
+        rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
+        rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
+        run("scripts/rl.py", *rl_args)
+        export(rl_dir, rl_hf)
+        result["rl"] = evaluate(rl_hf, data)
+        seconds["rl"] = time.time() - started - sum(seconds.values())
+
+    if args.tasks != "feedback":
+        # From the SFT model (which reverses), a short SFT on tool episodes: both model turns,
+        # the call and the answer, are trained.
+        sources = json.dumps([{"path": str(data / "tool_sft.jsonl")}])
+        sft_args = ["--model.name", str(sft_hf), "--output-dir", str(tool_sft_dir)]
+        sft_args += ["--data.sources", sources, "--max-steps", str(args.tool_sft_steps)]
+        run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
+        export(tool_sft_dir, tool_sft_hf)
+        result["tool_sft"] = evaluate(tool_sft_hf, data, "lookup_tool")
+        seconds["tool_sft"] = time.time() - started - sum(seconds.values())
+
+        # 8 keys x 8 episodes a step: a call (~70 tokens), the tool's word, the answer; about
+        # 170 tokens an episode, two to a 512-token row.
+        rl_args = ["--config", str(HERE / "rl.toml"), "--model.name", str(tool_sft_hf), *seed]
+        rl_args += ["--rollout.prompts", str(data / "tool_rl.jsonl")]
+        rl_args += ["--output-dir", str(tool_rl_dir), "--seq-len", "512"]
+        rl_args += ["--rollout.environment", TOOL_ENVIRONMENT, "--rollout.max-turns", "2"]
+        rl_args += ["--rollout.max-new-tokens", "80", "--rollout.prompts-per-step", "8"]
+        rl_args += ["--batch-size", "32", "--micro-batch-size", "8"]
+        rl_args += ["--max-steps", str(args.tool_rl_steps), "--schedule.warmup-steps", "5"]
+        run("scripts/rl.py", *rl_args)
+        export(tool_rl_dir, tool_rl_hf)
+        result["tool_rl"] = evaluate(tool_rl_hf, data, "lookup_tool")
+        seconds["tool_rl"] = time.time() - started - sum(seconds.values())
 
     print(f"multi-turn demo took {time.time() - started:.0f} s", flush=True)
     print("stage seconds: " + json.dumps({k: round(v, 1) for k, v in seconds.items()}), flush=True)

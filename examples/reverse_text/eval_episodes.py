@@ -1,14 +1,18 @@
-"""Held-out episodes of the reverse-text feedback task, decoded greedily (reads a model and a
+"""Held-out episodes of the reverse-text multi-turn tasks, decoded greedily (reads a model and a
 JSONL file).
 
-Each held-out prompt is one episode of examples/reverse_text/environments.py:feedback (a wrong
-reversal gets a hint, the first half of the true reversal, and one more try), run by fnt's own
-episode runner (fnt.rollout.environments.episodes) with every turn of all episodes decoded in
-one greedy batch. Prints one JSON object: {"single_turn": ..., "multi_turn": ..., "turns": ...,
-"n": ...}: the mean similarity of the first answer (what a single-turn episode scores), of the
-last answer (the episode's reward), and the mean model turns.
+Each held-out prompt is one episode of an environment of examples/reverse_text/environments.py,
+run by fnt's own episode runner (fnt.rollout.environments.episodes) with every turn of all
+episodes decoded in one greedy batch. Prints one JSON object:
+- --environment feedback (a wrong reversal gets a hint and one more try): {"single_turn": ...,
+  "multi_turn": ..., "turns": ..., "n": ...}: the mean similarity of the first answer (what a
+  single-turn episode scores), of the last answer (the episode's reward), and the mean turns;
+- --environment lookup_tool (the word to reverse is known only to a tool): {"reward": ...,
+  "tool_calls": ..., "turns": ..., "n": ...}: the mean similarity of the last answer to the
+  reversal (the episode's reward), the mean tool calls and model turns per episode.
 
-    python examples/reverse_text/eval_episodes.py --model HF_DIR --data DATA/heldout.jsonl
+    python examples/reverse_text/eval_episodes.py --model HF_DIR --data DATA/heldout.jsonl \
+        [--environment feedback|lookup_tool]
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from transformers import AutoModelForCausalLM
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # examples.reverse_text.environments
 
-from examples.reverse_text.environments import feedback  # noqa: E402
+from examples.reverse_text import environments  # noqa: E402
 from fnt.model.tokenizer import load_tokenizer, stop_token_ids  # noqa: E402
 from fnt.rollout import generate  # noqa: E402
 from fnt.rollout.environments.episodes import EpisodeRules, run_episodes  # noqa: E402
@@ -54,26 +58,35 @@ class GreedyTurns:
         return [group[0] for group in self._generate(contexts, list(max_new_tokens))]
 
 
-def heldout_episodes(model_dir: Path, data: Path, max_turns: int, max_new_tokens: int) -> dict:
+def heldout_episodes(
+    model_dir: Path, data: Path, max_turns: int, max_new_tokens: int, name: str = "feedback"
+) -> dict:
     tokenizer = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    environment = feedback(None)
+    environment = getattr(environments, name)(None)
     prompts = load_prompts(data, tokenizer, environment.start)
     rules = EpisodeRules(
         group_size=1,
         max_new_tokens=max_new_tokens,
         max_turns=max_turns,
-        max_episode_tokens=256,
+        max_episode_tokens=512,
         on_truncated="score",
         on_bad_reward="error",
         std_normalize=False,
         prompts_path=str(data),
-        name="environment 'feedback'",
+        name=f"environment '{name}'",
     )
     sampler = GreedyTurns(model, stop_token_ids(tokenizer, model_dir))
     episodes = [g[0] for g in run_episodes(prompts, sampler, environment, tokenizer, rules)]
     scores = [environment.score(e.prompt.record, e.messages) for e in episodes]
     n = len(episodes)
+    if name == "lookup_tool":
+        return {
+            "reward": sum(scores) / n,
+            "tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "turns": sum(e.turns for e in episodes) / n,
+            "n": n,
+        }
     return {
         "single_turn": sum(s["first"] for s in scores) / n,
         "multi_turn": sum(s["final"] for s in scores) / n,
@@ -86,11 +99,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True, help="a Hugging Face model directory")
     p.add_argument("--data", type=Path, required=True, help="held-out JSONL with prompt and answer")
+    p.add_argument("--environment", choices=["feedback", "lookup_tool"], default="feedback")
     p.add_argument("--max-turns", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=0, help="per turn; 0: 16, or 80 for lookup_tool"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(json.dumps(heldout_episodes(args.model, args.data, args.max_turns, args.max_new_tokens)))
+    limit = args.max_new_tokens or (80 if args.environment == "lookup_tool" else 16)
+    episodes = heldout_episodes(args.model, args.data, args.max_turns, limit, args.environment)
+    print(json.dumps(episodes))
 
 
 if __name__ == "__main__":

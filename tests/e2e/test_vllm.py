@@ -243,6 +243,123 @@ def test_a_killed_server_stops_the_run_with_one_line_and_it_resumes(server, reve
     assert held["weight_version"] == "5"
 
 
+FEEDBACK = ("--rollout.environment", "examples.reverse_text.environments:feedback")
+# Episodes of up to two answers and a hint are ~85 tokens: 3 to a 256-token row.
+MULTI_TURN = (*FEEDBACK, "--rollout.max-turns", "2", "--batch-size", "32")
+
+
+def episodes_from_requests(requests, engine):
+    """Every episode rebuilt from the requests the engine sent and the server's answers, as
+    (token ids, sampled mask, logprobs): a first-turn request's prompt and one of its choices,
+    then, where a later request (n = 1) continues those ids, its reply part and its answer.
+    Checks on the way that a later turn's prompt is exactly the previous prompt + the sampled ids
+    + the rendered hint (the chat template's text of the whole conversation so far)."""
+    from examples.reverse_text.environments import hint
+
+    tokenizer = engine.tokenizer
+    prompts = {p.token_ids: p for p in engine.prompts}
+    laters = [(body, completions) for body, completions in requests if body["n"] == 1]
+    episodes = []
+    for body, completions in requests:
+        if body["n"] == 1:
+            continue
+        prompt = prompts[tuple(body["prompt"])]
+        for first in completions:
+            ids = body["prompt"] + list(first.token_ids)
+            mask = [False] * len(body["prompt"]) + [True] * len(first.token_ids)
+            logprobs = [0.0] * len(body["prompt"]) + list(first.logprobs)
+            # Episodes of a group that sampled the same first answer send the same second
+            # request: each takes one of them.
+            following = [i for i, (b, _) in enumerate(laters) if b["prompt"][: len(ids)] == ids]
+            if following:
+                next_body, (second,) = laters.pop(following[0])
+                answer = tokenizer.decode(list(first.token_ids), skip_special_tokens=True)
+                conversation = [
+                    *prompt.messages,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": hint(answer, prompt.record)},
+                ]
+                rendered = tokenizer.apply_chat_template(
+                    conversation, tokenize=False, add_generation_prompt=True
+                )
+                assert tokenizer.decode(next_body["prompt"]) == rendered
+                reply = len(next_body["prompt"]) - len(ids)
+                ids = next_body["prompt"] + list(second.token_ids)
+                mask += [False] * reply + [True] * len(second.token_ids)
+                logprobs += [0.0] * reply + list(second.logprobs)
+            episodes.append((ids, mask, logprobs))
+    assert not laters  # every later request continued one episode
+    return episodes
+
+
+def test_multi_turn_episodes_from_vllm_train_exactly_what_the_server_sampled(
+    server, reverse_sft, tmp_path, monkeypatch
+):
+    """The feedback environment's episodes through the engine, against the real server: the
+    hint turn's prompt is the exact ids so far; the batch trains the server's samples with its
+    logprobs, which equal the trainer's recomputation; the hints are context."""
+    from fnt.config import RLConfig
+    from fnt.config.loading import load_config
+    from tests.fnt.rollout.conftest import rl_state
+    from tests.fnt.rollout.test_engine import check_logprobs_match
+
+    config, _ = load_config(rl_args(reverse_sft, server, tmp_path / "run", *MULTI_TURN), RLConfig)
+    state = rl_state(config)
+    engine = state.handles.rollouts
+    requests = []
+    complete = engine.complete
+
+    def recording(client, body, where):
+        completions = complete(client, body, where)
+        requests.append((body, completions))
+        return completions
+
+    monkeypatch.setattr(engine, "complete", recording)
+    try:
+        engine.publish_(state)  # what the driver does before it asks for the rollouts
+        batch = engine.rollout(state)
+    finally:
+        engine.close()
+    expected = {
+        (tuple(ids), tuple(mask)): logprobs
+        for ids, mask, logprobs in episodes_from_requests(requests, engine)
+    }
+    documents = 0
+    for mb in batch.micro_batches:
+        for r, lengths in enumerate(mb.sample_lengths):
+            start = 0
+            for length in lengths:
+                span = slice(start, start + length)
+                ids = tuple(mb.rows.input_ids[r, span].tolist())
+                mask = tuple(mb.rows.loss_mask[r, span].tolist())
+                # Trained tokens == the server's sampled tokens, nothing of prompt or hint.
+                logprobs = torch.tensor(expected[(ids, mask)])[torch.tensor(mask)]
+                stored = mb.inference_logprobs[r, span][torch.tensor(mask)]
+                torch.testing.assert_close(stored, logprobs.float(), rtol=0, atol=1e-6)
+                start += length
+                documents += 1
+    assert documents == 64
+    assert batch.metrics["rollout/episodes"] == 64
+    assert 1.0 < batch.metrics["rollout/turns/mean"] <= 2.0, batch.metrics
+    check_logprobs_match(batch, state.handles.model, config.rollout.temperature, LOGPROB_ATOL)
+
+
+def test_rl_from_vllm_with_a_multi_turn_environment_trains(server, reverse_sft, tmp_path):
+    out = tmp_path / "run"
+    run_cli("rl", *rl_args(reverse_sft, server, out, "--max-steps", "3", *MULTI_TURN))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(1.0 < r["rollout/turns/mean"] <= 2.0 for r in rows), rows
+    assert all(r["rollout/context_tokens"] > 0 for r in rows)
+    # The sampler and the trainer agree on every sampled token's probability, every turn.
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), [
+        r["mismatch_kl/all/mean"] for r in rows
+    ]
+    held = ServerClient(server, timeout_s=10, retry_s=0).call("/weight_info", None, "asking")
+    assert held["weight_version"] == "2"
+    assert max_logprob_gap(server, out / "weights" / "step_2", reverse_sft) < LOGPROB_ATOL
+
+
 @pytest.mark.gpu
 def test_over_nccl_the_server_generates_from_each_new_policy(reverse_sft, tmp_path):
     """rollout.vllm.weight_transfer = "nccl" on a GPU machine (vLLM importable in fnt's

@@ -82,10 +82,11 @@ def scripted_servers(tokenizer):
 
 def expected_episodes(completions, tokenizer):
     """Every episode rebuilt from the servers' requests alone, as (token ids, sampled mask,
-    logprobs at every position, turns, tool calls, tool errors): a first-turn request's prompt and one of its choices,
-    then, where a later request's prompt continues those ids, that request's reply part and its
-    answer. Checks on the way that a later turn's prompt is exactly the previous prompt + the
-    sampled ids + the rendered tool reply, sent to the server of the first turn."""
+    logprobs at every position, turns, tool calls, tool errors): a first-turn request's prompt
+    and one of its choices, then, where a later request's prompt continues those ids, that
+    request's reply part and its answer. Checks on the way that a later turn's prompt is exactly
+    the previous prompt + the sampled ids + the rendered tool reply, sent to the server of the
+    first turn."""
     firsts = [(server, body) for server, body in completions if body["n"] > 1]
     laters = [(server, body) for server, body in completions if body["n"] == 1]
     script = ScriptedVLLM(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
