@@ -11,10 +11,10 @@ answer, trained on the last answer only (data.train_turns = "last"), so the mode
 a hint and never to make the mistake. RL then trains both turns of its own episodes, rewarded by
 the last answer's similarity.
 
-The tool task: "reverse the word under key 4821", where only the tool `lookup` knows the word
+The tool task: "reverse the hidden word", where only the tool `lookup()` knows the word
 (examples/reverse_text/environments.py:lookup_tool, rollout.max_turns = 2): the model must call
-it in the Hermes format (`<tool_call>{"name": "lookup", "arguments": {"key": "4821"}}</tool_call>`)
-and answer with the reversal of the tool's result. A short SFT stage on synthetic transcripts of
+it in the Hermes format (`<tool_call>{"name": "lookup", "arguments": {}}</tool_call>`) and
+answer with the reversal of the tool's result. A short SFT stage on synthetic transcripts of
 such episodes (call, tool message, answer; both model turns trained) teaches the format; RL with
 the tool environment then trains on the model's own episodes, rewarded by the answer's
 similarity to the reversal.
@@ -23,7 +23,7 @@ Its last line is one JSON object: {"sft": {...}, "rl": {...}, "tool_sft": {...},
 "tool_rl": {...}} with, for the feedback task's SFT and RL result, the held-out (200 prompts,
 greedy) mean similarity of the first answer ("single_turn": what a single-turn episode scores)
 and of the episode's last answer ("multi_turn"), and the mean model turns; for the tool task's,
-the held-out (200 keys, greedy) mean episode reward, tool calls and turns
+the held-out (200 words, greedy) mean episode reward, tool calls and turns
 (examples/reverse_text/eval_episodes.py).
 
     python examples/reverse_text/demo_multiturn.py [--runs runs] [--seed 0]
@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from examples.reverse_text.demo import TINY_MODEL  # noqa: E402
 from examples.reverse_text.environments import (  # noqa: E402
+    hidden_word,
     hint,
     lookup_record,
     tool_transcript,
@@ -60,8 +61,8 @@ SFT_STEPS = 300
 RL_STEPS = 100
 TOOL_SFT_STEPS = 40
 TOOL_RL_STEPS = 40
-# The tool task's keys: 4 digits, disjoint between the SFT transcripts, RL and held-out prompts.
-TOOL_KEYS = {"heldout": 200, "sft": 2000, "rl": 2000}
+# The tool task's hidden words: disjoint between held-out prompts, SFT transcripts and RL prompts.
+TOOL_WORDS = {"heldout": 200, "sft": 2000, "rl": 2000}
 
 
 def script_env() -> dict[str, str]:
@@ -123,17 +124,20 @@ def write_transcripts(sft: Path, out: Path, seed: int) -> None:
 
 def write_tool_data(out: Path, seed: int) -> None:
     """The tool task's files: tool_sft.jsonl (whole episodes as chats), tool_rl.jsonl and
-    tool_heldout.jsonl (prompts with the answer), on disjoint keys."""
-    rng = random.Random(f"tool keys {seed}")
-    keys = [str(k) for k in rng.sample(range(1000, 10000), sum(TOOL_KEYS.values()))]
-    split = {}
-    for name, count in TOOL_KEYS.items():
-        split[name], keys = keys[:count], keys[count:]
-    lines = [json.dumps({"messages": tool_transcript(key)}) for key in split["sft"]]
-    (out / "tool_sft.jsonl").write_text("\n".join(lines) + "\n")
-    for name in ("rl", "heldout"):
-        lines = [json.dumps(lookup_record(key)) for key in split[name]]
-        (out / f"tool_{name}.jsonl").write_text("\n".join(lines) + "\n")
+    tool_heldout.jsonl (prompt records with the hidden word), on disjoint words."""
+    rng, taken = random.Random(f"tool words {seed}"), set()
+    for name, count in TOOL_WORDS.items():
+        words = []
+        while len(words) < count:
+            word = hidden_word(rng)
+            if word not in taken:
+                taken.add(word)
+                words.append(word)
+        if name == "sft":
+            records = [{"messages": tool_transcript(word)} for word in words]
+        else:
+            records = [lookup_record(word) for word in words]
+        (out / f"tool_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def evaluate(model: Path, data: Path, environment: str = "feedback") -> dict:
@@ -148,6 +152,41 @@ def export(run_dir: Path, out: Path) -> None:
     steps = json.loads((run_dir / "config.json").read_text())["max_steps"]
     checkpoint = run_dir / "checkpoints" / f"step_{steps}"
     run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(out))
+
+
+def tool_stages(
+    sft_hf: Path, data: Path, runs: Path, sft_steps: int, rl_steps: int, seed: int
+) -> tuple[dict, dict]:
+    """The tool task from the SFT model `sft_hf` (which reverses): a short SFT on tool episodes
+    (both model turns, the call and the answer, trained), then RL with the tool environment,
+    each followed by the held-out eval. ({"tool_sft": ..., "tool_rl": ...}, stage seconds)."""
+    sft_dir, sft_out = runs / "multiturn-tool-sft", runs / "multiturn-tool-sft-hf"
+    rl_dir, rl_out = runs / "multiturn-tool-rl", runs / "multiturn-tool-rl-hf"
+    for stale in (sft_dir, sft_out, rl_dir, rl_out):  # a rerun starts over
+        shutil.rmtree(stale, ignore_errors=True)
+    started, result = time.time(), {}
+    sources = json.dumps([{"path": str(data / "tool_sft.jsonl")}])
+    sft_args = ["--model.name", str(sft_hf), "--output-dir", str(sft_dir), "--seed", str(seed)]
+    sft_args += ["--data.sources", sources, "--max-steps", str(sft_steps)]
+    run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args)
+    export(sft_dir, sft_out)
+    result["tool_sft"] = evaluate(sft_out, data, "lookup_tool")
+    seconds = {"tool_sft": time.time() - started}
+
+    # 16 prompts x 8 episodes a step: a call (57 tokens), the tool's word, the answer: ~140
+    # tokens an episode done right, at most ~200 (two to a 512-token row).
+    rl_args = ["--config", str(HERE / "rl.toml"), "--model.name", str(sft_out)]
+    rl_args += ["--rollout.prompts", str(data / "tool_rl.jsonl"), "--seed", str(seed)]
+    rl_args += ["--output-dir", str(rl_dir), "--seq-len", "512"]
+    rl_args += ["--rollout.environment", TOOL_ENVIRONMENT, "--rollout.max-turns", "2"]
+    rl_args += ["--rollout.max-new-tokens", "64", "--rollout.prompts-per-step", "16"]
+    rl_args += ["--batch-size", "64", "--micro-batch-size", "8"]
+    rl_args += ["--max-steps", str(rl_steps), "--schedule.warmup-steps", "10"]
+    run("scripts/rl.py", *rl_args)
+    export(rl_dir, rl_out)
+    result["tool_rl"] = evaluate(rl_out, data, "lookup_tool")
+    seconds["tool_rl"] = time.time() - started - seconds["tool_sft"]
+    return result, seconds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -166,11 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     model, data = runs / "reverse-model", runs / "reverse-data"
     sft_dir, sft_hf = runs / "multiturn-sft", runs / "multiturn-sft-hf"
     rl_dir, rl_hf = runs / "multiturn-rl", runs / "multiturn-rl-hf"
-    tool_sft_dir, tool_sft_hf = runs / "multiturn-tool-sft", runs / "multiturn-tool-sft-hf"
-    tool_rl_dir, tool_rl_hf = runs / "multiturn-tool-rl", runs / "multiturn-tool-rl-hf"
-    stale = (sft_dir, sft_hf, rl_dir, rl_hf, tool_sft_dir, tool_sft_hf, tool_rl_dir, tool_rl_hf)
-    for directory in stale:  # a rerun starts over
-        shutil.rmtree(directory, ignore_errors=True)
+    for stale in (sft_dir, sft_hf, rl_dir, rl_hf):  # a rerun starts over
+        shutil.rmtree(stale, ignore_errors=True)
     started = time.time()
     seconds: dict[str, float] = {}
     seed = ("--seed", str(args.seed))
@@ -203,29 +239,11 @@ def main(argv: list[str] | None = None) -> None:
         seconds["rl"] = time.time() - started - sum(seconds.values())
 
     if args.tasks != "feedback":
-        # From the SFT model (which reverses), a short SFT on tool episodes: both model turns,
-        # the call and the answer, are trained.
-        sources = json.dumps([{"path": str(data / "tool_sft.jsonl")}])
-        sft_args = ["--model.name", str(sft_hf), "--output-dir", str(tool_sft_dir)]
-        sft_args += ["--data.sources", sources, "--max-steps", str(args.tool_sft_steps)]
-        run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
-        export(tool_sft_dir, tool_sft_hf)
-        result["tool_sft"] = evaluate(tool_sft_hf, data, "lookup_tool")
-        seconds["tool_sft"] = time.time() - started - sum(seconds.values())
-
-        # 8 keys x 8 episodes a step: a call (~70 tokens), the tool's word, the answer; about
-        # 170 tokens an episode, two to a 512-token row.
-        rl_args = ["--config", str(HERE / "rl.toml"), "--model.name", str(tool_sft_hf), *seed]
-        rl_args += ["--rollout.prompts", str(data / "tool_rl.jsonl")]
-        rl_args += ["--output-dir", str(tool_rl_dir), "--seq-len", "512"]
-        rl_args += ["--rollout.environment", TOOL_ENVIRONMENT, "--rollout.max-turns", "2"]
-        rl_args += ["--rollout.max-new-tokens", "80", "--rollout.prompts-per-step", "8"]
-        rl_args += ["--batch-size", "32", "--micro-batch-size", "8"]
-        rl_args += ["--max-steps", str(args.tool_rl_steps), "--schedule.warmup-steps", "5"]
-        run("scripts/rl.py", *rl_args)
-        export(tool_rl_dir, tool_rl_hf)
-        result["tool_rl"] = evaluate(tool_rl_hf, data, "lookup_tool")
-        seconds["tool_rl"] = time.time() - started - sum(seconds.values())
+        tool_result, tool_seconds = tool_stages(
+            sft_hf, data, runs, args.tool_sft_steps, args.tool_rl_steps, args.seed
+        )
+        result.update(tool_result)
+        seconds.update(tool_seconds)
 
     print(f"multi-turn demo took {time.time() - started:.0f} s", flush=True)
     print("stage seconds: " + json.dumps({k: round(v, 1) for k, v in seconds.items()}), flush=True)

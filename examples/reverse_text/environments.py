@@ -7,23 +7,22 @@ feedback     a wrong reversal gets a hint, the first half of the true reversal (
              demo (demo_multiturn.py) trains with it.
 three_turns  every answer gets the hint until the third; the episode ends after three model
              turns. scripts/bench_rl.py --multi-turn times it against single-turn episodes.
-lookup_tool  the tool task: "reverse the word under key 4821"; the word is only known to the
-             tool `lookup` (a fixed function of the key the model cannot guess), so the model
-             must call it (Hermes <tool_call> JSON) and answer with the reversal of its result
+lookup_tool  the tool task: "reverse the hidden word"; only the tool `lookup()` knows the word
+             (the prompt record's, never shown), so the model must call it (Hermes
+             <tool_call> JSON) and answer with the reversal of its result
              (rollout.max_turns = 2); reward: similarity to the reversal. demo_multiturn.py
              trains it after an SFT stage on tool transcripts (`tool_transcript`).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from fnt.rollout.environments import FeedbackEnvironment, Reply, ToolEnvironment
-from fnt.rollout.environments.protocol import Message
+from fnt.rollout.environments.protocol import Message, Start
 from fnt.rollout.rewards import similarity
 
 
@@ -51,41 +50,58 @@ def three_turns(rollout) -> ThreeTurns:
     return ThreeTurns(similarity, hint)
 
 
-LOOKUP_PROMPT = "reverse the word under key "
+LOOKUP_PROMPT = "reverse the hidden word"
 
 
-def lookup(key: str) -> str:
-    """The word stored under a key.
-
-    Args:
-        key: the key the user names
-    """
-    # 4-10 letters, as the reverse-text data's: a fixed function of the key that a model cannot
-    # compute (a seeded generator), so only the tool knows it.
-    rng = random.Random(f"reverse-text word {key}")
+def hidden_word(rng: random.Random) -> str:
+    """A word of the tool task: 4-10 letters, as the reverse-text data's."""
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 10)))
 
 
-def lookup_record(key: str) -> dict[str, str]:
-    """A prompt of the tool task, with the answer its reward compares against."""
-    return {"prompt": LOOKUP_PROMPT + key, "answer": lookup(key)[::-1]}
+def lookup_record(word: str) -> dict[str, str]:
+    """A prompt of the tool task: the same question every time; the word is only in the record
+    (for the tool) and its reversal is the answer the reward compares against."""
+    return {"prompt": LOOKUP_PROMPT, "word": word, "answer": word[::-1]}
 
 
-def lookup_call(key: str) -> str:
-    """The model turn that calls the tool, in the Hermes format ToolEnvironment parses."""
-    call = {"name": "lookup", "arguments": {"key": key}}
-    return f"<tool_call>{json.dumps(call)}</tool_call>"
+LOOKUP_CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
 
 
-def tool_transcript(key: str) -> list[dict[str, str]]:
+def tool_transcript(word: str) -> list[dict[str, str]]:
     """A whole episode of the tool task done right: the call, the tool's answer, the reversal."""
     return [
-        {"role": "user", "content": LOOKUP_PROMPT + key},
-        {"role": "assistant", "content": lookup_call(key)},
-        {"role": "tool", "name": "lookup", "content": lookup(key)},
-        {"role": "assistant", "content": lookup(key)[::-1]},
+        {"role": "user", "content": LOOKUP_PROMPT},
+        {"role": "assistant", "content": LOOKUP_CALL},
+        {"role": "tool", "name": "lookup", "content": word},
+        {"role": "assistant", "content": word[::-1]},
     ]
 
 
-def lookup_tool(rollout) -> ToolEnvironment:
-    return ToolEnvironment([lookup], similarity)
+class LookupTool:
+    """The tool task's environment: a ToolEnvironment per prompt record whose one tool,
+    `lookup()`, returns the record's hidden word; the reward is the answer's similarity to its
+    reversal. The prompt never shows the word, so only an episode that calls the tool can
+    answer right."""
+
+    keep_special_tokens = True  # as ToolEnvironment's
+    reward_weights: dict[str, float] = {}
+
+    def tools(self, record: Mapping[str, Any]) -> ToolEnvironment:
+        def lookup() -> str:
+            """The hidden word of this task."""
+            return str(record["word"])
+
+        return ToolEnvironment([lookup], similarity)
+
+    def start(self, record: Mapping[str, Any]) -> Start:
+        return self.tools(record).start(record)
+
+    def respond(self, record: Mapping[str, Any], messages: Sequence[Message]) -> Optional[Reply]:
+        return self.tools(record).respond(record, messages)
+
+    def score(self, record: Mapping[str, Any], messages: Sequence[Message]) -> float:
+        return similarity(messages[-1]["content"], record)
+
+
+def lookup_tool(rollout) -> LookupTool:
+    return LookupTool()

@@ -102,11 +102,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--environment", choices=["feedback", "lookup_tool"], default="feedback")
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument(
-        "--max-new-tokens", type=int, default=0, help="per turn; 0: 16, or 80 for lookup_tool"
+        "--max-new-tokens", type=int, default=0, help="per turn; 0: 16, or 64 for lookup_tool"
     )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    limit = args.max_new_tokens or (80 if args.environment == "lookup_tool" else 16)
+    limit = args.max_new_tokens or (64 if args.environment == "lookup_tool" else 16)
     episodes = heldout_episodes(args.model, args.data, args.max_turns, limit, args.environment)
     print(json.dumps(episodes))
 

@@ -316,22 +316,18 @@ def test_the_engine_runs_episodes_in_batched_turns_that_train_what_it_sampled(
 def test_the_tool_demos_sft_transcripts_are_the_episodes_its_environment_runs(tokenizer):
     """examples/reverse_text: a model that says what a tool transcript says runs exactly that
     conversation in the lookup_tool environment and earns the full reward; without the call
-    its answer cannot be right (only the tool knows the word)."""
-    from examples.reverse_text.environments import (
-        lookup,
-        lookup_record,
-        lookup_tool,
-        tool_transcript,
-    )
+    its answer cannot be right (the prompt never shows the word)."""
+    from examples.reverse_text.environments import lookup_record, lookup_tool, tool_transcript
 
-    environment, record = lookup_tool(None), lookup_record("4821")
-    transcript = tool_transcript("4821")
+    environment, record = lookup_tool(None), lookup_record("uscd")
+    transcript = tool_transcript("uscd")
     texts = [transcript[1]["content"], transcript[3]["content"]]
-    # The call is 71 byte-level tokens (the demo samples up to 80 a turn).
-    run = dict(max_new_tokens=80)
+    # The call is 57 byte-level tokens (the demo samples up to 64 a turn).
+    run = dict(max_new_tokens=64)
     [(episode, _)], samples, _, _ = episodes_of(environment, tokenizer, texts, [record], **run)
     assert episode.messages == transcript
-    assert transcript[2]["content"] == lookup("4821") and record["answer"] == lookup("4821")[::-1]
+    assert "uscd" not in tokenizer.decode(list(episode.prompt.token_ids))
+    assert transcript[2]["content"] == "uscd" and transcript[3]["content"] == "dcsu"
     assert samples[0].reward == 1.0 and samples[0].turns == 2 and samples[0].tool_calls == 1
-    [(guess, _)], samples, _, _ = episodes_of(environment, tokenizer, ["abcd"], [record], **run)
-    assert guess.turns == 1 and samples[0].reward < 0.5
+    [(guess, _)], samples, _, _ = episodes_of(environment, tokenizer, ["abef"], [record], **run)
+    assert guess.turns == 1 and samples[0].reward == 0.0
