@@ -27,8 +27,9 @@ $(VENV)/.native: $(VENV)/.installed native/adamw.cpp native/build.py
 demo: $(VENV)/.installed
 	$(PY) examples/reverse_text/demo.py --runs $(RUNS)
 
-# The multi-turn demo: SFT on transcripts with hints, RL with the feedback environment, held-out
-# first-answer and episode similarity before and after RL; its last line is JSON.
+# The multi-turn demo: SFT on transcripts with hints, RL with the feedback environment; then SFT
+# on tool transcripts, RL with a tool environment; held-out episode rewards before and after
+# each RL; its last line is JSON.
 demo-multiturn: $(VENV)/.installed
 	$(PY) examples/reverse_text/demo_multiturn.py --runs $(RUNS)
 

@@ -59,6 +59,9 @@ TOOL_ENVIRONMENT = "examples.reverse_text.environments:lookup_tool"
 # 60 RL steps raised the episode's to 0.30; more SFT gives RL a model that uses the hint.
 SFT_STEPS = 300
 RL_STEPS = 100
+# The tool task, seed 0: 40 SFT steps teach the call (every held-out episode calls) and leave
+# the reversal of the tool's word at 0.61; 40 RL steps of 16 x 8 episodes raise it to 0.68
+# (8 x 8 episodes: 0.62, with a collapse to 0.14 sampled reward at step 6).
 TOOL_SFT_STEPS = 40
 TOOL_RL_STEPS = 40
 # The tool task's hidden words: disjoint between held-out prompts, SFT transcripts and RL prompts.
