@@ -7,8 +7,18 @@ rows `fnt rl` writes for the same config. Run it like the command, also under to
 import sys
 import time
 
-from fnt import init_state, log_step_metrics, resolve_resume_step, restore_, save_state_
-from fnt import save_trace, setup_trainer, rl_source, start_trace, teardown_trainer
+from fnt import (
+    init_state,
+    log_step_metrics,
+    resolve_resume_step,
+    restore_,
+    rl_source,
+    save_state_,
+    save_trace,
+    setup_trainer,
+    start_trace,
+    teardown_trainer,
+)
 from fnt.apps.cli import parse_config
 from fnt.build import policy_publisher
 from fnt.config import RLConfig

@@ -7,8 +7,18 @@ rows `fnt sft` writes for the same config. Run it like the command, also under t
 import sys
 import time
 
-from fnt import init_state, log_step_metrics, resolve_resume_step, restore_, save_state_
-from fnt import save_trace, setup_trainer, sft_source, start_trace, teardown_trainer
+from fnt import (
+    init_state,
+    log_step_metrics,
+    resolve_resume_step,
+    restore_,
+    save_state_,
+    save_trace,
+    setup_trainer,
+    sft_source,
+    start_trace,
+    teardown_trainer,
+)
 from fnt.apps.cli import parse_config
 from fnt.obs.monitors import open_monitors
 from fnt.store.rundir import ckpt_root, step_dir
