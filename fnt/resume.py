@@ -183,6 +183,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.on_bad_reward": MAY_CHANGE,
     "rollout.async_level": FIXED,  # which policy sampled each step's rollouts
     "rollout.publish": MAY_CHANGE,  # how the policy is written for the orchestrator
+    "rollout.log_samples_every": MAY_CHANGE,  # what is shown, not what is trained
     "rollout.vllm.urls": MAY_CHANGE,  # a resumed run may use other servers
     "rollout.vllm.model": MAY_CHANGE,
     "rollout.vllm.top_p": MAY_CHANGE,

@@ -18,7 +18,7 @@ from fnt.config import Config, ConfigError, to_plain
 from fnt.dist.runtime import Runtime
 from fnt.errors import CheckpointError
 from fnt.model.lora import base_fingerprint
-from fnt.obs.console import say, start_summary
+from fnt.obs.console import rl_summary, say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.state import TrainState
 from fnt.store.rundir import (
@@ -36,6 +36,7 @@ from fnt.store.rundir import (
     step_dir,
     step_name,
 )
+from fnt.store.samples import drop_samples_after_
 
 
 def start_state(config: Config, runtime: Runtime) -> TrainState:
@@ -76,6 +77,8 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
                     flush=True,
                 )
             prune_abandoned_(directory)
+        for line in drop_samples_after_(config.output_dir, state.progress.step):
+            print(line, flush=True)
         # Also finishes a keep_last delete that a kill interrupted.
         prune_steps_(root, config.ckpt.keep_last)
         for line in start_summary_of(state):
@@ -85,8 +88,23 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
 
 def start_summary_of(state: TrainState) -> list[str]:
     """fnt.obs.console.start_summary of a start state: its model's parameters, its data sources'
-    samples and tokens (for `data.sources`), its steps."""
+    samples and tokens (for `data.sources`), its steps; an RL run's is `rl_summary` (its
+    engine, prompts, group size, reward, async_level)."""
     config, model = state.config, state.handles.model
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rollout = getattr(config, "rollout", None)
+    if rollout is not None:
+        prompts = getattr(state.handles.rollouts, "prompts", None)
+        return rl_summary(
+            model=config.model.name,
+            parameters=parameters,
+            trainable=trainable,
+            start_step=state.progress.step,
+            max_steps=config.max_steps,
+            rollout=rollout,
+            prompts=None if prompts is None else len(prompts),
+        )
     data = state.handles.components().get("data")
     corpus = getattr(data, "corpus", None)
     sources = []
@@ -104,8 +122,8 @@ def start_summary_of(state: TrainState) -> list[str]:
             )
             first += size
     return start_summary(
-        parameters=sum(p.numel() for p in model.parameters()),
-        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        parameters=parameters,
+        trainable=trainable,
         start_step=state.progress.step,
         max_steps=config.max_steps,
         tokens_per_step=config.batch_size * config.seq_len,

@@ -412,6 +412,8 @@ class RolloutConfig:
     """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
     publish: Literal["auto", "adapter", "merged"] = "auto"
     """LoRA: publish the adapter or merged weights; auto: adapter (external), merged (vllm)."""
+    log_samples_every: int = 0
+    """Every N steps, save a step's samples and show a few (0: 4 times a run; -1: never)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """engine = "vllm": the servers and their sampling settings."""
 

@@ -13,6 +13,7 @@ import time
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from fnt.config import Config
+from fnt.store.samples import is_sample_step, read_step_samples, samples_path
 
 _STARTED = time.perf_counter()
 
@@ -84,6 +85,83 @@ def start_summary(
     return lines
 
 
+def rl_summary(
+    *,
+    model: str,
+    parameters: int,
+    trainable: int,
+    start_step: int,
+    max_steps: int,
+    rollout: Any,
+    prompts: Optional[int] = None,
+) -> list[str]:
+    """The start-up summary of an RL run: the model and its parameters, the engine, prompts per
+    step x group size, the reward or environment, async_level, the sampling limits, the steps
+    and how often they go through the prompts (`prompts`: how many there are, when known).
+    `rollout` is the run's RolloutConfig. Pure."""
+    samples = rollout.prompts_per_step * rollout.group_size
+    scored_by = [f"reward {rollout.reward}"] * bool(rollout.reward)
+    scored_by += [f"environment {rollout.environment}"] * bool(rollout.environment)
+    if rollout.environment:
+        scored_by.append(f"max_turns {rollout.max_turns}")
+    policy = (
+        "on-policy"
+        if rollout.async_level == 0
+        else f"step n trains on rollouts of the policy after step n-{rollout.async_level + 1}"
+    )
+    steps = max_steps - start_step
+    start = f"from step {start_step}, " if start_step else ""
+    passes = ""
+    if prompts:
+        laps = steps * rollout.prompts_per_step / prompts
+        passes = f", about {laps:.2g} passes over {prompts:,} prompts"
+    return [
+        f"parameters: {count_text(parameters)} ({count_text(trainable)} trainable), model {model}",
+        f"rollouts: engine {rollout.engine}, {rollout.prompts_per_step} prompts x "
+        f"{rollout.group_size} completions = {samples} samples per step, max_new_tokens "
+        f"{rollout.max_new_tokens}, temperature {rollout.temperature:g}",
+        f"scored by: {', '.join(scored_by) or 'the rollouts files (external engine)'}; "
+        f"async_level {rollout.async_level} ({policy})",
+        f"steps: {steps} ({start}to step {max_steps}){passes}",
+    ]
+
+
+CONSOLE_SAMPLES = 3
+"""How many of a sample step's completions the console shows (its file has them all)."""
+
+
+def _clip(text: str, limit: int, tail: bool = False) -> str:
+    """`text` as a Python literal of at most about `limit` characters (its end when `tail`)."""
+    if len(text) > limit:
+        text = "..." + text[-limit:] if tail else text[:limit] + "..."
+    return repr(text)
+
+
+def sample_lines(step: int, records: Sequence[Mapping[str, Any]], where: str) -> list[str]:
+    """A few of a step's saved samples for the console: the best, a middle and the worst
+    reward (NaN last), each with its reward, length, whether a limit cut it, the end of its
+    prompt and the start of its completion. Pure."""
+    ranked = sorted(
+        range(len(records)),
+        key=lambda i: -records[i]["reward"] if records[i]["reward"] is not None else math.inf,
+    )
+    picks = (
+        sorted({ranked[0], ranked[len(ranked) // 2], ranked[-1]}, key=ranked.index)
+        if ranked
+        else []
+    )
+    lines = [f"samples of step {step}: {len(picks)} of {len(records)} (all in {where})"]
+    for i in picks[:CONSOLE_SAMPLES]:
+        record = records[i]
+        reward = "nan" if record["reward"] is None else f"{record['reward']:.3f}"
+        cut = ", cut by a limit" if record["truncated"] else ""
+        lines.append(
+            f"  reward {reward} | {record['completion_tokens']} tokens{cut} | "
+            f"{_clip(record['prompt'], 60, tail=True)} -> {_clip(record['completion'], 160)}"
+        )
+    return lines
+
+
 # The metrics the end summary follows from the first row to the last.
 SUMMARY_KEYS = (("loss/mean", "loss"), ("reward/mean", "reward"), ("val/loss", "val/loss"))
 
@@ -114,9 +192,10 @@ def format_duration(seconds: float) -> str:
 
 
 def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
-    """`step 3/5 | loss 2.1000 | reward 0.512 | turns 2.25 | grad 0.83 | lr 1.00e-03 |
-    val/loss 2.3000 | 512 tok/s | 0.25 s/step | eta 0:00:01`, each part only when the row has
-    it. Pure."""
+    """`step 3/5 | loss 2.1000 | reward 0.512 | turns 2.25 | len 11.5 | cut 25% | grad 0.83 |
+    lr 1.00e-03 | val/loss 2.3000 | 512 tok/s | rollout 0.12 s | 0.25 s/step | eta 0:00:01`,
+    each part only when the row has it (len: sampled tokens per episode; cut: the fraction of
+    episodes ended by a limit, max_new_tokens among them). Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
     for key, label, spec in CONSOLE_FIELDS:
@@ -125,6 +204,8 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
             parts.append(f"{label} {_number(value, spec)}")
     if "perf/throughput" in row:
         parts.append(f"{row['perf/throughput']:.0f} tok/s")
+    if isinstance(row.get("time/rollout"), float):
+        parts.append(f"rollout {row['time/rollout']:.2f} s")
     if "time/step" in row:
         parts.append(f"{row['time/step']:.2f} s/step")
     remaining = max(0, max_steps - step)
@@ -139,6 +220,8 @@ def _number(value: float, spec: str) -> str:
     if not math.isfinite(value):
         return str(value)
     text = f"{value:{spec}}"
+    if text.endswith("%"):
+        return text
     if value != 0 and float(text) == 0:
         return f"{value:.2e}"
     return text
@@ -149,6 +232,8 @@ CONSOLE_FIELDS = (
     ("loss/mean", "loss", ".4f"),
     ("reward/mean", "reward", ".3f"),
     ("rollout/turns/mean", "turns", ".2f"),
+    ("rollout/completion_len/mean", "len", ".1f"),
+    ("rollout/truncated_fraction", "cut", ".0%"),
     ("optim/grad_norm", "grad", ".3g"),
     ("optim/lr", "lr", ".2e"),
     ("val/loss", "val/loss", ".4f"),
@@ -157,17 +242,29 @@ CONSOLE_FIELDS = (
 
 
 class ConsoleMonitor:
-    """One line per step on stdout."""
+    """One line per step on stdout; in RL, after the line of a sample step, a few of its
+    samples, read back from {output_dir}/samples/step_N.jsonl (fnt.store.samples)."""
 
     def __init__(self, config: Config, start_step: int) -> None:
         self.max_steps = config.max_steps
         self.start_step = start_step
         self.started = time.perf_counter()
+        self.output_dir = config.output_dir
+        rollout = getattr(config, "rollout", None)
+        self.samples_every = None if rollout is None else rollout.log_samples_every
 
     def log(self, row: Mapping[str, Any]) -> None:
         elapsed = time.perf_counter() - self.started
-        line = console_line(row, self.max_steps, elapsed, row["step"] - self.start_step)
-        print(line, file=sys.stdout, flush=True)
+        step = row["step"]
+        print(console_line(row, self.max_steps, elapsed, step - self.start_step), flush=True)
+        if self.samples_every is None or not is_sample_step(
+            step, self.samples_every, self.max_steps
+        ):
+            return
+        records = read_step_samples(self.output_dir, step)
+        if records:
+            where = str(samples_path(self.output_dir, step))
+            print("\n".join(sample_lines(step, records, where)), flush=True)
 
     def close(self) -> None:
         pass

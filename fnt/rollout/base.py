@@ -32,6 +32,7 @@ from fnt.rollout.environments.episodes import (
 )
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
+from fnt.rollout.saved_samples import save_samples_
 
 # A sampler's float32 or bf16 log-softmax can round a probability of 1 to a logprob a little
 # above 0; anything beyond that is not a log-probability.
@@ -124,12 +125,15 @@ class PromptRollouts:
         after: DataPosition,
         seconds: float,
         *,
+        step: int,
         generation_seconds: Optional[float] = None,
         staleness: int = 0,
         dropped: int = 0,
     ) -> RLBatch:
-        """Pack this rank's samples and measure them: collectives when distributed."""
+        """Pack this rank's samples of update `step` and measure them, and on a sample step
+        save every rank's as text (fnt.rollout.saved_samples): collectives when distributed."""
         config, runtime, rollout = self.config, self.runtime, self.config.rollout
+        save_samples_(config, runtime, step, samples, self.tokenizer)
         # The packing fits each rank's rows to its samples; every rank must still run the same
         # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
         count = micro_batch_count(

@@ -21,6 +21,7 @@ nothing heavy, so the command line, preflight and `fnt inspect` use it before (o
                          aside (the newest ABANDONED_KEEP are kept)
   weights/step_N/        external RL: the published policy (a Hugging Face directory)
   rollouts/step_N/       external RL: the orchestrator's samples.jsonl (and policy_step)
+  samples/step_N.jsonl   RL: step N's samples as text, on sample steps (fnt.store.samples)
 ```
 
 A step directory counts only when it is named exactly `step_N` (no leading zeros, ASCII digits)

@@ -96,16 +96,42 @@ def test_an_sft_run_on_a_terminal_shows_phases_a_bar_summaries_and_grad_norm(
     assert_start_and_end(lines, 2)
 
 
-def test_an_rl_run_on_a_terminal_shows_the_reward_and_the_validation_reward(
+def test_an_rl_run_on_a_terminal_shows_its_setup_rollouts_samples_and_validation_reward(
     tiny_model_dir, tmp_path
 ):
-    args = config_args("examples/debug/rl.toml", tiny_model_dir, tmp_path / "run")
+    """The RL start-up summary (engine, prompts x group, reward, async_level, max_new_tokens,
+    model), step lines with rollout time, completion length and cut fraction, and after the
+    sample step (2 of 3) a few of its completions, all of which are in samples/step_2.jsonl."""
+    out = tmp_path / "run"
+    args = config_args("examples/debug/rl.toml", tiny_model_dir, out)
     val = ("--val.prompts", "examples/debug/prompts.jsonl", "--val.interval", "2")
-    lines = lines_of(run_in_a_terminal(["rl", *args, "--max-steps", "2", *val]))
+    samples = ("--rollout.log-samples-every", "2")
+    lines = lines_of(run_in_a_terminal(["rl", *args, "--max-steps", "3", *val, *samples]))
+    summary = "\n".join(line for line in lines if line.startswith("["))
+    assert f" trainable), model {tiny_model_dir}\n" in summary, summary
+    assert "engine in_process, 2 prompts x 4 completions = 8 samples per step" in summary
+    assert "max_new_tokens 12" in summary and "reward ascii_letters" in summary
+    assert "async_level 0 (on-policy)" in summary and "tokens per step" not in summary
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) == 2 and all(" | reward " in s and " | grad " in s for s in steps), steps
+    assert len(steps) == 3 and all(" | reward " in s and " | grad " in s for s in steps), steps
+    assert all(" | len " in s and " | cut " in s and " s | " in s for s in steps), steps
+    assert all(" | rollout " in s for s in steps), steps
     assert " | val/reward " in steps[1] and " | val/reward " not in steps[0]
-    assert_start_and_end(lines, 2)
+    heads = [i for i, line in enumerate(lines) if line.startswith("samples of step ")]
+    step_2, step_3 = lines.index(steps[1]), lines.index(steps[2])
+    assert [lines[i] for i in heads] == [
+        f"samples of step 2: 3 of 8 (all in {out / 'samples' / 'step_2.jsonl'})",
+        f"samples of step 3: 3 of 8 (all in {out / 'samples' / 'step_3.jsonl'})",
+    ]
+    assert heads[0] == step_2 + 1 and heads[1] == step_3 + 1, lines
+    shown = lines[step_2 + 2 : step_2 + 5]
+    assert all(line.startswith("reward ") and " -> " in line for line in shown), shown
+    saved = [json.loads(line) for line in (out / "samples" / "step_2.jsonl").open()]
+    assert [r["index"] for r in saved] == list(range(8)), saved
+    for line in shown:
+        assert any(line.startswith(f"reward {r['reward']:.3f} | ") for r in saved), line
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["step_2.jsonl", "step_3.jsonl"]
+    assert_start_and_end(lines, 3)
 
 
 def test_off_a_terminal_the_console_has_plain_lines_only(tiny_model_dir, tmp_path):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from fnt.config import Config, to_plain
 from fnt.faults import fault_point
 from fnt.store.rundir import METRICS_FILE, WANDB_ID_FILE, WANDB_LOGGED_FILE
+from fnt.store.samples import read_step_samples
 from fnt.store.transaction import write_synced_
 
 if TYPE_CHECKING:
@@ -226,9 +227,14 @@ class WandbMonitor:
         return True
 
     def _send(self, row: Mapping[str, Any], output_dir: Path) -> bool:
-        """Log one row; record its step as taken. False (W&B disabled) when the call fails."""
+        """Log one row, with its step's samples as a table when the step saved some
+        (fnt.store.samples: a resend after a resume reads the same file); record its step as
+        taken. False (W&B disabled) when the call fails."""
         try:
             values = {k: v for k, v in row.items() if k != "step"}
+            records = read_step_samples(output_dir, row["step"])
+            if records:
+                values["samples"] = samples_table(self._wandb, records)
             fault_point("wandb", row["step"])
             self._call(f"log of step {row['step']}", self.run.log, values, step=row["step"])
             record_wandb_logged_(output_dir, self.run.id, row["step"])
@@ -244,6 +250,7 @@ class WandbMonitor:
         except Exception as exc:  # noqa: BLE001
             self._disable(f"W&B init failed, continuing without it: {exc}")
             return None
+        self._wandb = wandb
         failures = []
         for attempt in attempts:
             kwargs = dict(attempt)
@@ -270,6 +277,35 @@ class WandbMonitor:
             return None if self._disabled else attempt
         self._disable(f"W&B init failed, continuing without it: {'; '.join(failures)}")
         return None
+
+
+SAMPLE_COLUMNS = (
+    "step",
+    "index",
+    "rank",
+    "prompt",
+    "completion",
+    "reward",
+    "advantage",
+    "completion_tokens",
+    "turns",
+    "truncated",
+    "policy_step",
+)
+"""The columns of a step's W&B samples table, then `reward/{name}` per named reward."""
+
+
+def samples_table(wandb: Any, records: list[dict]) -> Any:
+    """A `wandb.Table` of a step's saved samples (one row each, SAMPLE_COLUMNS then the named
+    rewards' columns)."""
+    names = sorted({name for record in records for name in record.get("rewards", {})})
+    columns = [*SAMPLE_COLUMNS, *(f"reward/{name}" for name in names)]
+    data = [
+        [record.get(key) for key in SAMPLE_COLUMNS]
+        + [record.get("rewards", {}).get(name) for name in names]
+        for record in records
+    ]
+    return wandb.Table(columns=columns, data=data)
 
 
 def _init_kind(attempt: Mapping[str, Any]) -> str:

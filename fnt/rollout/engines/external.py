@@ -37,6 +37,7 @@ from fnt.rollout.pack import (
     single_turn,
 )
 from fnt.rollout.sampling import Completion
+from fnt.rollout.saved_samples import save_samples_
 from fnt.state import Progress, Stateless, TrainState
 from fnt.store.rundir import (
     COMPLETE_MARKER,
@@ -357,7 +358,8 @@ class ExternalRollouts(Stateless):
             dp_size=runtime.dims.dp,
         )
         self.config, self.runtime = config, runtime
-        self.pad_token_id = pad_token_id(load_tokenizer(config.model.name))
+        self.tokenizer = load_tokenizer(config.model.name)
+        self.pad_token_id = pad_token_id(self.tokenizer)
 
     def rollout(self, state: TrainState) -> RLBatch:
         """This rank's RL batch for update state.progress.step + 1 (blocks until it exists)."""
@@ -392,6 +394,7 @@ class ExternalRollouts(Stateless):
                 num_micro_batches=count,
             )
 
+        save_samples_(config, runtime, step, mine, self.tokenizer)
         micro_batches = pack(mine)
         if not has_logprobs:
             micro_batches = tuple(

@@ -139,7 +139,7 @@ class InProcessEngine(PromptRollouts):
         started = time.perf_counter()
         self.sync_weights_(state.handles.model)
         samples, dropped, after = self.sample(self.model, step, position, state.progress.step)
-        return self.batch(samples, after, time.perf_counter() - started, dropped=dropped)
+        return self.batch(samples, after, time.perf_counter() - started, step=step, dropped=dropped)
 
     def sample(
         self, model: nn.Module, step: int, position: DataPosition, policy_step: int
@@ -228,6 +228,7 @@ class AsyncRollouts:
             samples,
             after,
             time.perf_counter() - started,
+            step=step,
             generation_seconds=generation_seconds,
             staleness=state.progress.step - rollout_policy_step(step, k),
             dropped=dropped,

@@ -355,6 +355,7 @@ class VLLMEngine(PromptRollouts, Stateless):
             list(mine),
             after,
             time.perf_counter() - started,
+            step=step,
             generation_seconds=generation_seconds,
             staleness=state.progress.step - version,
             dropped=dropped if self.runtime.is_main else 0,

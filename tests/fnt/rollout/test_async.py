@@ -71,9 +71,10 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
         weights.append(clone_weights(state.handles.model))
         skipped.append(bool(metrics.get("skipped/zero_advantage", 0)))
     # A checkpoint after step 3 holds the policy after step 2 (update 4's rollouts come from
-    # it; the one after step 3 is the model), and the engine writes nothing of its own.
+    # it; the one after step 3 is the model), and the engine writes nothing of its own
+    # besides the saved samples (fnt.store.samples).
     assert list(engine.state_dict()["policies"]) == [2]
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir() if p.name != "samples"] == []
     engine.close()
     # Each update moved the weights (unless it had no advantage to learn from), so the policies
     # the rollouts are compared with below are told apart.
@@ -88,7 +89,7 @@ def test_async_rollouts_are_the_on_policy_samples_of_the_policy_k_steps_older(
         reference.model.load_state_dict(weights[policy_step])
         samples, dropped, after = reference.sample(reference.model, n, progress.data, policy_step)
         expected = reference.batch(
-            samples, after, 0.0, staleness=n - 1 - policy_step, dropped=dropped
+            samples, after, 0.0, step=n, staleness=n - 1 - policy_step, dropped=dropped
         )
         assert_same_batch(batch, expected)
         assert batch.metrics["rollout/staleness"] == min(n - 1, 1)
@@ -134,7 +135,7 @@ def test_async_level_1_resumes_exactly(tiny_model_dir, tmp_path, nproc):
     rl(resumed, "--resume", "latest")
     assert_resumed_run_matches(full, resumed, 2, STEPS, EXACT, tmp_path)
     for run in (full, resumed):
-        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints"]
+        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["checkpoints", "samples"]
 
 
 def test_an_async_run_generates_exactly_the_rollouts_it_trains_on(

@@ -44,6 +44,13 @@ def _split(point):
     return run_id, int(step)
 
 
+class Table(dict):
+    """wandb.Table(columns=..., data=...), kept as the JSON the history file holds."""
+
+    def __init__(self, columns, data):
+        super().__init__(_type="table", columns=list(columns), data=[list(row) for row in data])
+
+
 class Run:
     def __init__(self, run_id):
         self.id = run_id

@@ -1,0 +1,62 @@
+"""Saving a step's RL samples as text (fnt.store.samples' files), from every engine. Side
+effects: an all-gather of the records across ranks on a sample step, and rank 0's file.
+
+Each rank decodes its own samples; the records are gathered to every rank (a step's samples are
+few next to its tensors, and only sample steps pay) and rank 0 writes them in rank order, which
+is the step's prompt order, since each rank's share is a contiguous run of the step's prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fnt.config import RLConfig
+from fnt.dist.collectives import all_gather_objects
+from fnt.dist.runtime import Runtime
+from fnt.obs.metrics import finite_or_none
+from fnt.rollout.pack import RolloutSample
+from fnt.store.samples import is_sample_step, write_step_samples_
+
+
+def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
+    """One sample as text: the prompt (the tokens before the first sampled one) and the
+    completion (the rest: the sampled turns and, in an episode, the environment's replies in
+    between), decoded with their special tokens, with its reward (None when not finite) and facts.
+    Pure but for the tokenizer."""
+    first = sample.sampled.index(True)
+    record = {
+        "prompt": tokenizer.decode(list(sample.token_ids[:first])),
+        "completion": tokenizer.decode(list(sample.token_ids[first:])),
+        "reward": finite_or_none(sample.reward),
+        "advantage": finite_or_none(sample.advantage),
+        "completion_tokens": sample.sampled_count,
+        "turns": sample.turns,
+        "truncated": sample.truncated,
+        "policy_step": sample.policy_step,
+    }
+    if sample.named_rewards:
+        record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
+    return record
+
+
+def save_samples_(
+    config: RLConfig,
+    runtime: Runtime,
+    step: int,
+    samples: Sequence[RolloutSample],
+    tokenizer: Any,
+) -> None:
+    """On a sample step (`rollout.log_samples_every`), write every rank's `samples` of update
+    `step` to {output_dir}/samples/step_N.jsonl (rank 0); every rank must call it."""
+    if not is_sample_step(step, config.rollout.log_samples_every, config.max_steps):
+        return
+    mine = [sample_record(sample, tokenizer) for sample in samples]
+    gathered = all_gather_objects(mine, runtime.distributed)
+    if not runtime.is_main:
+        return
+    records = []
+    for rank, records_of_rank in enumerate(gathered):
+        for record in records_of_rank:
+            records.append({"step": step, "index": len(records), "rank": rank, **record})
+    write_step_samples_(config.output_dir, step, records)
