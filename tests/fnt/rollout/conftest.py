@@ -35,6 +35,9 @@ def rl_config(model_dir, prompts, **rollout) -> RLConfig:
         max_new_tokens=10,
         temperature=1.0,
         reward="similarity",
+        # The engines' own tests save no samples (they would land in runs/default); the runs of
+        # tests/e2e and the two-rank test turn them on.
+        log_samples_every=-1,
     )
     return RLConfig(
         model=ModelConfig(name=str(model_dir)),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fnt.store.samples import read_step_samples
+
 from .two_ranks import two_batches
 
 
@@ -35,10 +37,20 @@ def two_batches_job(fixture, out):
 
 @pytest.mark.numerics
 @pytest.mark.two_ranks(job=two_batches_job)
-def test_two_ranks_sample_what_one_process_samples(policy_dir, prompts_file, two_rank_runs):
+def test_two_ranks_sample_what_one_process_samples(
+    policy_dir, prompts_file, two_rank_runs, tmp_path
+):
     out = two_rank_runs(two_batches_job)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    _, single = two_batches(str(policy_dir), str(prompts_file))
+    _, single = two_batches(str(policy_dir), str(prompts_file), str(tmp_path))
+    # Rank 0 saved both ranks' samples, in prompt order: the one-process run's samples.
+    for step in (1, 2):
+        saved = read_step_samples(out / "run", step)
+        assert [r["rank"] for r in saved] == [0] * 8 + [1] * 8
+        alone = read_step_samples(tmp_path, step)
+        assert [(r["prompt"], r["completion"]) for r in saved] == [
+            (r["prompt"], r["completion"]) for r in alone
+        ], step
     for step in range(2):
         one, shares = single[step], [rank[step] for rank in ranks]
         assert [b.data_after for b in shares] == [one.data_after] * 2
