@@ -33,6 +33,8 @@ commands:
   dpo              preference optimization on pairs: fnt dpo --config FILE.toml [--key=value]...
   vllm-serve       start the vLLM server of an RL run: fnt vllm-serve --config FILE.toml
   export           write a checkpoint as a Hugging Face model directory
+  generate         answer prompts with a checkpoint or model, chat template applied:
+                   fnt generate --checkpoint DIR (--prompt TEXT | --prompts FILE.jsonl)
   make-tiny-model  write a tiny Hugging Face model for tests and demos
   show-data        print SFT samples, trained tokens marked: fnt show-data --config FILE [--n 3]
   show-rollouts    print an RL step's trajectories, sampled tokens marked:
@@ -165,6 +167,12 @@ def vllm_serve(argv: list[str]) -> None:
     main(argv)
 
 
+def generate(argv: list[str]) -> None:
+    from fnt.apps.generate import main
+
+    main(argv)
+
+
 def make_tiny_model(argv: list[str]) -> None:
     from fnt.model.tiny_model import main  # torch only once --out is checked
 
@@ -201,6 +209,7 @@ COMMANDS = {
     "dpo": dpo,
     "vllm-serve": vllm_serve,
     "export": export,
+    "generate": generate,
     "make-tiny-model": make_tiny_model,
     "show-data": show_data,
     "show-rollouts": show_rollouts,

@@ -12,8 +12,8 @@ The rules of paths every command shares are fnt.store.paths' (a file or director
 exist, a checkpoint, a writable place, an output directory or file a command may write); those
 of "module:function" references fnt.config.references.require_function (rollout.reward:
 fnt.rollout.rewards.require_reward). The commands' own checks here combine them:
-`check_inputs` (sft, rl), `check_model_and_data` (show-data), `check_export`. A new command adds
-its function here from the same rules.
+`check_inputs` (sft, rl), `check_model_and_data` (show-data), `check_export`, `check_generate`.
+A new command adds its function here from the same rules.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fnt.store.paths import (
     require_checkpoint,
     require_run_output_dir,
 )
-from fnt.store.rundir import CONFIG_FILE, ckpt_root
+from fnt.store.rundir import CONFIG_FILE, META_FILE, ckpt_root, run_entries
 from fnt.store.transaction import output_marker
 
 # Any one of these is a tokenizer transformers can load without extra packages' guesswork.
@@ -166,7 +166,15 @@ def require_lora_targets(config: Config) -> None:
 
 def check_export(checkpoint: PathLike, out: PathLike, force: bool) -> None:
     """`fnt export`'s inputs: a complete checkpoint whose base model directory (with tokenizer)
-    is still there, and an --out that export may write (`check_output_dir`). Reads only."""
+    is still there (`check_export_source`), and an --out that export may write
+    (`check_output_dir`). Reads only."""
+    check_export_source(checkpoint)
+    check_output_dir(out, "--out", EXPORT, force=force, keep=(Path(checkpoint),))
+
+
+def check_export_source(checkpoint: PathLike) -> None:
+    """A complete checkpoint at `checkpoint` whose base model directory, with its tokenizer, is
+    still there: what `fnt export` and `fnt generate` read. Reads only."""
     meta = require_checkpoint(checkpoint, "--checkpoint")
     base = meta.get("model_name")
     has_tokenizer = isinstance(base, str) and any(
@@ -183,7 +191,6 @@ def check_export(checkpoint: PathLike, out: PathLike, force: bool) -> None:
             f"{named('--checkpoint', checkpoint)}: its base model {base!r} has no tokenizer "
             f"files (one of {', '.join(TOKENIZER_FILES)}), which the export copies"
         )
-    check_output_dir(out, "--out", EXPORT, force=force, keep=(Path(checkpoint),))
 
 
 def export_marker(checkpoint: PathLike, dtype: Optional[str], merge: bool) -> str:
@@ -244,3 +251,37 @@ def check_record(first: tuple[str, int, object], parse) -> None:
         parse(record)
     except ValueError as e:
         raise DataError(f"{path}, line {line_number}: {e}") from e
+
+
+def check_generate(checkpoint: PathLike, prompts_file: Optional[str]) -> str:
+    """`fnt generate`'s inputs: `checkpoint` is a complete checkpoint whose base model is still
+    there (as for `check_export`) or a Hugging Face model directory with a tokenizer, and every
+    record of `prompts_file` (when given) is a prompt record. Returns "checkpoint" or "model",
+    what `checkpoint` is. Reads only."""
+    path = Path(checkpoint)
+    if os.path.isdir(path) and not (path / META_FILE).is_file() and not run_entries(path):
+        if not (path / CONFIG_FILE).is_file():
+            raise CheckpointError(
+                f"{named('--checkpoint', path)}: neither a checkpoint (RUN/checkpoints/step_N) "
+                "nor a Hugging Face model directory (no config.json there)"
+            )
+        if not any((path / file).is_file() for file in TOKENIZER_FILES):
+            raise CheckpointError(
+                f"{named('--checkpoint', path)}: no tokenizer files in the model directory "
+                f"(expected one of {', '.join(TOKENIZER_FILES)}), which generating needs"
+            )
+        kind = "model"
+    else:
+        check_export_source(path)
+        kind = "checkpoint"
+    if prompts_file is not None:
+        what = named("--prompts", prompts_file)
+        # Every line parsed first: a file that is not JSONL is told without importing torch.
+        records = list(jsonl_records(prompts_file, what))
+        if not records:
+            raise DataError(f"{what}: the file is empty (no JSONL prompt records)")
+        from fnt.rollout.prompts import prompt_messages
+
+        for line_number, record in records:
+            check_record((prompts_file, line_number, record), prompt_messages)
+    return kind

@@ -32,6 +32,7 @@ CASES = (
     "non-empty output",
     "bad reference",  # an unimportable or misspelled module:function, reward or module name
     "wrong signature",
+    "bad data",  # an empty file, or a line that is not a record
 )
 
 
@@ -196,6 +197,27 @@ ROWS = [
         ("--checkpoint", CKPT, "--out", CKPT, "--force"), "is inside the run directory"),
     Row("export", "non-empty output", "--out holds the run, with --force",
         ("--checkpoint", CKPT, "--out", "<run>/..", "--force"), "which fnt export reads"),
+    # fnt generate
+    Row("generate", "missing path", "--checkpoint missing",
+        ("--checkpoint", "<world>/no-ckpt", "--prompt", "hi"), "no such directory"),
+    Row("generate", "missing path", "the checkpoint's base model is gone",
+        ("--checkpoint", "<moved>/checkpoints/step_2", "--prompt", "hi"),
+        "is not a Hugging Face model directory"),
+    Row("generate", "missing path", "--prompts missing",
+        ("--checkpoint", CKPT, "--prompts", "<world>/missing.jsonl"), "cannot read it"),
+    Row("generate", "wrong kind of path", "--checkpoint is the run directory",
+        ("--checkpoint", RUN_, "--prompt", "hi"), "is a run directory, not a checkpoint"),
+    Row("generate", "wrong kind of path", "--checkpoint is neither a checkpoint nor a model",
+        ("--checkpoint", EMPTY, "--prompt", "hi"), "neither a checkpoint"),
+    Row("generate", "wrong kind of path", "--prompts is a directory",
+        ("--checkpoint", CKPT, "--prompts", EMPTY), "Is a directory"),
+    Row("generate", "bad data", "--prompts is an empty file",
+        ("--checkpoint", CKPT, "--prompts", "<world>/empty.jsonl"), "the file is empty"),
+    Row("generate", "bad data", "--prompts has a line that is not JSON",
+        ("--checkpoint", CKPT, "--prompts", "<world>/bad.jsonl"), "bad.jsonl, line 2:"),
+    Row("generate", "bad data", "--prompts has a record that is not a prompt",
+        ("--checkpoint", HF_MODEL, "--prompts", "<world>/texts.jsonl"),
+        "texts.jsonl, line 2: a prompt record has exactly one of", imports_torch=True),
     # fnt make-tiny-model
     Row("make-tiny-model", "missing path", "--chat-template missing",
         ("--out", "<world>/tiny", "--chat-template", "<world>/no.jinja"), "no such file"),
@@ -303,6 +325,9 @@ def world(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     # A PNG signature and nothing of fnt's: a figure some other program wrote.
     (world / "figure.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 32)
     (world / "data.jsonl").write_text('{"prompt": "hi", "completion": " there"}\n')
+    (world / "empty.jsonl").write_text("\n")
+    (world / "bad.jsonl").write_text('{"prompt": "hi"}\n{"prompt": \n')
+    (world / "texts.jsonl").write_text('{"prompt": "hi"}\n{"text": "hi"}\n')
     places = {"world": world, "model": tiny_model_dir, "run": run, "moved": moved, "repo": REPO}
     return {**places, "root": root}
 
