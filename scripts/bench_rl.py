@@ -42,14 +42,22 @@ the ratio is single-turn tokens/s over multi-turn tokens/s (target: at most 1.3)
 episode so far again (no KV cache is kept across turns), and an episode's context (prompt,
 hints, template text) is trained with it, so a step processes several times the tokens.
 
+`--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile)
+against fnt eager, both with the in-process engine, step by step in turn: rollout and update
+seconds separately (medians after --warmup, compiling left out), the seconds and graphs the
+compiled side spent compiling (all of them, warm-up included) and the break-even step count
+(compile seconds over the per-step saving; null when compiled steps are not faster).
+
     python scripts/bench_rl.py [--steps 12] [--warmup 2] [--model DIR --prompts FILE] [--work DIR]
                                [--engine vllm [--vllm-url URL | --vllm PROGRAM]] [--multi-turn]
+                               [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -334,6 +342,83 @@ def compare_with_bare(args, task: list[str], model: Path, work: Path) -> dict:
     return result
 
 
+def compare_compile(args, task: list[str], work: Path) -> dict:
+    """fnt with model.compile against fnt eager (module docstring), step by step in turn;
+    prints the table and returns the JSON result."""
+    from fnt import init_state, rl_source, setup_trainer, to_floats
+    from fnt.model.compile import compile_totals
+    from steps import rl_step
+
+    configs = {
+        "eager": fnt_config(task, work / "fnt-eager", args.async_level),
+        "compiled": fnt_config(
+            task, work / "fnt-compiled", args.async_level, "--model.compile=true"
+        ),
+    }
+    runtime = setup_trainer(configs["eager"])
+    states = {side: init_state(config, runtime) for side, config in configs.items()}
+    keys = ("rollout", "update", "reward")
+    seen = {side: {k: [] for k in keys} for side in states}
+    compiled_seconds, compiled_graphs = 0.0, 0
+    for i in range(args.warmup + args.steps):
+        for side, state in states.items():
+            before = compile_totals()
+            started = time.perf_counter()
+            batch = rl_source(state)
+            rolled, during_rollout = time.perf_counter(), compile_totals()
+            state, metrics = rl_step(state, batch)
+            row = to_floats(metrics)
+            updated, after = time.perf_counter(), compile_totals()
+            states[side] = state
+            # Compiling is counted apart (as rows' time/compile) and left out of step times.
+            rollout_compile, update_compile = during_rollout - before, after - during_rollout
+            compiled_seconds += rollout_compile.seconds + update_compile.seconds
+            compiled_graphs += (after - before).graphs
+            if i >= args.warmup:
+                seen[side]["rollout"].append(rolled - started - rollout_compile.seconds)
+                seen[side]["update"].append(updated - rolled - update_compile.seconds)
+            seen[side]["reward"].append(row["reward/mean"])
+    for state in states.values():
+        state.handles.rollouts.close()
+
+    rollout = configs["eager"].rollout
+    print(
+        f"shape: {rollout.prompts_per_step} prompts x {rollout.group_size} samples, "
+        f"{rollout.max_new_tokens} new tokens, {torch.get_num_threads()} thread(s), "
+        f"async_level {args.async_level}, median of {args.steps} steps after {args.warmup}"
+    )
+    print(f"{'':9} {'step s':>8} {'rollout s':>10} {'update s':>9} {'reward':>7}")
+    result: dict = {"case": "compile"}
+    for side, values in seen.items():
+        step = median([a + b for a, b in zip(values["rollout"], values["update"])])
+        roll, update = median(values["rollout"]), median(values["update"])
+        reward = statistics.fmean(values["reward"])
+        print(f"{side:9} {step:8.3f} {roll:10.3f} {update:9.3f} {reward:7.3f}")
+        result |= {
+            f"{side}_step_s": step,
+            f"{side}_rollout_s": roll,
+            f"{side}_update_s": update,
+            f"{side}_reward_mean": reward,
+        }
+    saving = result["eager_step_s"] - result["compiled_step_s"]
+    result |= {
+        "speedup": result["eager_step_s"] / result["compiled_step_s"],
+        "update_speedup": result["eager_update_s"] / result["compiled_update_s"],
+        "compile_seconds": compiled_seconds,
+        "compile_graphs": compiled_graphs,
+        "break_even_steps": math.ceil(compiled_seconds / saving) if saving > 0 else None,
+        "async_level": args.async_level,
+        "steps": args.steps,
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"compiled / eager: step {1 / result['speedup']:.3f}, update "
+        f"{1 / result['update_speedup']:.3f}; compile {compiled_seconds:.1f} s in "
+        f"{compiled_graphs} graphs, break-even after {result['break_even_steps']} steps"
+    )
+    return result
+
+
 MULTI_TURN_ENV = "examples.reverse_text.environments:three_turns"
 
 
@@ -457,6 +542,11 @@ def main() -> None:
         action="store_true",
         help="3-turn episodes against single-turn ones of as many sampled tokens (in-process)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="fnt with model.compile against fnt eager (in-process engine)",
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -468,6 +558,8 @@ def main() -> None:
         task = task_args(model, prompts)
         if args.multi_turn:
             result = compare_turns(args, task, work)
+        elif args.compile:
+            result = compare_compile(args, task, work)
         elif args.engine == "in_process":
             result = compare_with_bare(args, task, model, work)
         elif args.vllm_url:
