@@ -9,6 +9,9 @@ Tolerances (measured on the tiny model, 3 steps, CPU): float32 compiled losses e
 to the last bit there, and are compared at 1e-5 (inductor may fuse reductions in another order
 on other CPUs); bfloat16 compute differed by 1.3e-4 and is compared at 2e-3 (bfloat16 has 8
 mantissa bits: one rounding step of a loss near 5.5 is 0.03, the mean over 64 tokens shrinks it).
+RL's update (float32, 3 steps at lr 1e-2 on one off-policy batch) is not bit-equal: the third
+step's grad norm (6.6) differed by 1.8e-5 (2.7e-6 relative), the trained logprobs (about -5.5)
+by up to 8.6e-6; compared at 2e-5 relative (1e-5 absolute) and 1e-5 + 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from fnt.config import (
 )
 from fnt.dist.runtime import setup_trainer
 from fnt.loop import run
-from fnt.model.compile import compile_layers_, compile_totals, graph_limit, is_compiled
+from fnt.model.compile import (
+    compile_layers_,
+    compile_totals,
+    eager_layers,
+    graph_limit,
+    is_compiled,
+)
 from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.rollout.sampling import generate
 from fnt.store.rundir import METRICS_FILE, ckpt_root, step_dir
@@ -197,3 +206,39 @@ def test_sft_resumes_exactly_with_compiled_layers(tiny_model_dir, tmp_path):
         ckpt=CkptConfig(interval=1, keep_last=2),
     )
     assert_resume_exact(config, sft_step, sft_source, "step@3", workdir=tmp_path / "resume")
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_compiled_rl_step_matches_eager_within_the_stated_tolerance(tiny_model_dir):
+    from fnt.config import OptimConfig
+    from steps.rl import rl_step
+    from tests.steps.test_rl_step import RL_KEYS, T, own_logprobs, random_rows, rl_batch
+
+    torch.compiler.reset()
+    rows = random_rows(0)
+    # The start policy's logprobs as the inference engine's, for every step: off-policy after
+    # the first, so the DPPO masks and the mismatch metrics take part too.
+    start = load_hf_model(ModelConfig(name=str(tiny_model_dir)), torch.device("cpu"))
+    batch = rl_batch(rows, own_logprobs(start, rows), size=2)
+    seen = {}
+    for compiled in (False, True):
+        config = RLConfig(
+            model=ModelConfig(name=str(tiny_model_dir), compile=compiled),
+            optim=OptimConfig(lr=1e-2, max_norm=1.0),
+            max_steps=3,
+            seq_len=T,
+        )
+        state = init_state(config, setup_trainer(config))
+        steps = []
+        for _ in range(3):
+            state, metrics = rl_step(state, batch)
+            steps.append({k: float(metrics[k]) for k in sorted(RL_KEYS)})
+        with eager_layers():  # the trained weights compared, without compiling a no-grad graph
+            seen[compiled] = steps, own_logprobs(state.handles.model, rows)
+    assert all(is_compiled(layer) for layer in decoder_layers(state.handles.model))
+    (eager_steps, eager_logprobs), (compiled_steps, compiled_logprobs) = seen[False], seen[True]
+    assert eager_steps[2]["optim/grad_norm"] > 0  # it trained
+    for eager, compiled in zip(eager_steps, compiled_steps):
+        assert compiled == pytest.approx(eager, rel=2e-5, abs=1e-5)
+    torch.testing.assert_close(compiled_logprobs, eager_logprobs, rtol=1e-5, atol=1e-5)
