@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU machine, in at most 18 minutes on one GPU:
+# The prepared check for a lent GPU machine, in at most 20 minutes on one GPU:
 #   1. the gpu-marked tests (varlen attention: packed == alone; without vLLM),
 #   2. the memory benchmark up to seq_len 8192 (scripts/bench_memory.py),
 #   3. a throughput run at a real shape (scripts/bench_throughput.py: Qwen3-0.6B-shaped random
 #      weights, bf16 compute, seq_len 8192, a varlen kernel if flash-attn is installed),
 #   4. eager vs model.compile at the ~50M Qwen3 shape and at the real shape, seq_len 2048
 #      (scripts/bench_throughput.py --compile: step times, compile seconds, break-even steps),
+#      and the demo's RL step eager vs compiled (scripts/bench_rl.py --compile),
 #   5. where vllm is importable: the vLLM engine on the GPU: the gpu-marked vLLM tests (RL with
 #      the policy sent over NCCL) and scripts/bench_rl.py --engine vllm (the reverse-text task:
 #      seconds per step and generation tokens/s against the in-process engine).
@@ -43,6 +44,9 @@ compile_rc=${PIPESTATUS[0]}
 timeout 180 "$PY" scripts/bench_throughput.py --compile --seq-len 2048 --steps 8 \
   --work "$OUT/compile" 2>&1 | tee "$OUT/bench_compile.log"
 compile_rc=$compile_rc${PIPESTATUS[0]}
+timeout 90 "$PY" scripts/bench_rl.py --compile --steps 4 --work "$OUT/compile_rl" 2>&1 \
+  | tee "$OUT/bench_compile_rl.log"
+compile_rc=$compile_rc${PIPESTATUS[0]}
 
 vllm_rc=0
 if "$PY" -c "import vllm" 2>/dev/null; then
@@ -60,9 +64,10 @@ else
 fi
 
 echo "gpu tests rc=$tests_rc, memory benchmark rc=$memory_rc, throughput rc=$throughput_rc," \
-  "compile (medium, 0.6b) rc=$compile_rc, vllm (tests, benchmark) rc=$vllm_rc"
+  "compile (medium, 0.6b, rl) rc=$compile_rc, vllm (tests, benchmark) rc=$vllm_rc"
 tail -n 1 "$OUT/bench_memory.log"
 tail -n 1 "$OUT/bench_throughput.log"
 tail -n 1 "$OUT/bench_compile_medium.log"
 tail -n 1 "$OUT/bench_compile.log"
-[ "$tests_rc$memory_rc$throughput_rc$compile_rc$vllm_rc" = "0000000" ]
+tail -n 1 "$OUT/bench_compile_rl.log"
+[ "$tests_rc$memory_rc$throughput_rc$compile_rc$vllm_rc" = "00000000" ]

@@ -80,3 +80,23 @@ def test_the_compile_comparison_runs_at_a_tiny_shape(tmp_path):
     assert result["compile_seconds"] > 0 and result["compile_graphs"] >= 1
     assert result["eager_step_seconds"] > 0 and result["compiled_step_seconds"] > 0
     assert result["break_even_steps"] is None or result["break_even_steps"] >= 1
+
+
+@pytest.mark.slow
+def test_the_rl_compile_comparison_prints_its_json_line(tmp_path):
+    result = run_json(
+        "scripts/bench_rl.py",
+        "--compile",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--work",
+        str(tmp_path),
+        timeout=600,
+    )
+    assert result["case"] == "compile" and result["steps"] == 2
+    assert result["compile_seconds"] > 0 and result["compile_graphs"] >= 1
+    for side in ("eager", "compiled"):
+        assert result[f"{side}_rollout_s"] > 0 and result[f"{side}_update_s"] > 0
+    assert result["break_even_steps"] is None or result["break_even_steps"] >= 1

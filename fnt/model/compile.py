@@ -20,7 +20,13 @@ bound runs eagerly, with torch's warning. Every row says what its step compiled:
 Generation (fnt.rollout.sampling) runs the layers eagerly (`eager_layers`): with a KV cache the
 layer's code guards on its layer index and on the cache's state, so it would compile two or
 more graphs per layer (prefill and decode), past the bound at four layers, after which new
-shapes run eagerly anyway. Its tokens are those of the eager model.
+shapes run eagerly anyway. Its tokens are those of the eager model. A static cache
+(transformers' StaticCache, decode compiled, prefill eager) keeps the per-layer graphs:
+`Cache.update(k, v, layer_idx)` indexes a Python list of per-layer caches with the layer's
+`layer_idx` attribute, and torch guards on the index of a list (also with
+torch._dynamo.config.allow_unspec_int_on_nn_module, which turns the attribute into a symbol only
+to specialize it there), so decoding compiled one graph per layer, and one more per layer when
+the cache length first changed (measured: 4 graphs for 2 layers, tokens identical, no faster).
 """
 
 from __future__ import annotations
