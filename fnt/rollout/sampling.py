@@ -18,6 +18,7 @@ which a padded batched forward may differ from a forward of the prompt alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from collections.abc import Collection, Sequence
@@ -69,9 +70,17 @@ def _cache_keyword(model_class: type) -> str:
 
 
 def _last_logits(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, kv_cache
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    kv_cache,
+    compiled: bool = False,
 ) -> Tensor:
-    with eager_layers():  # with a cache, compiled layers recompile per layer (fnt.model.compile)
+    # Compiled layers (model.compile) run compiled only when `compiled`: decoding one token with
+    # a cache that keeps them to one graph (fnt.model.decode_cache). A prompt's prefill, whose
+    # lengths vary freely, and a DynamicCache, which compiles a graph per layer, run them eagerly.
+    with contextlib.nullcontext() if compiled else eager_layers():
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -153,13 +162,14 @@ def generate(
         generators = [None] * len(prompts)
     if len(generators) != len(prompts):
         raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts")
-    from transformers import DynamicCache
+    from fnt.model.decode_cache import LayerCursorCache, decode_cache
 
     device = next(model.parameters()).device
     stops = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=device)
     pad_id = int(stops[0])  # hidden by the attention mask, so any valid id will do
     ids, attention, positions = left_padded(prompts, pad_id, device)
-    kv_cache = DynamicCache(config=model.config)
+    kv_cache = decode_cache(model, ids.shape[1] + max(limits))
+    compiled = isinstance(kv_cache, LayerCursorCache)
     logits = _last_logits(model, ids, attention, positions, kv_cache)
     kv_cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
@@ -192,7 +202,7 @@ def generate(
             running, chosen = running[keep], chosen[keep]
             attention, next_position = attention[keep], next_position[keep]
         attention = torch.cat([attention, attention.new_ones((len(running), 1))], dim=1)
-        logits = _last_logits(model, chosen[:, None], attention, next_position, kv_cache)
+        logits = _last_logits(model, chosen[:, None], attention, next_position, kv_cache, compiled)
         next_position = next_position + 1
 
     stop_set = set(stops.tolist())

@@ -1,9 +1,10 @@
 """model.compile: each decoder layer compiled in place (fnt.model.compile).
 
 The fast tests compile nothing (torch compiles a layer on its first call): names, checkpoints,
-refusals, the reference model, and generation, which runs the layers eagerly. The slow ones
-train compiled: eager-vs-compiled losses at a stated tolerance (marked numerics), what a row
-says about compiling, the bound on graphs over RL's lengths, and exact resume.
+refusals, the reference model, and the cache compiled layers decode with (run eagerly). The slow
+ones compile: eager-vs-compiled losses of SFT and RL's update at a stated tolerance (marked
+numerics), two ranks under FSDP2, what a row says about compiling, the bound on graphs over
+RL's lengths and over decoding, greedy tokens of compiled decoding, and exact resume.
 
 Tolerances (measured on the tiny model, 3 steps, CPU): float32 compiled losses equal eager ones
 to the last bit there, and are compared at 1e-5 (inductor may fuse reductions in another order
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from fnt import Config, ModelConfig, fold, init_state, sft_source
 from fnt.build import reference_model, save_state_
@@ -43,6 +45,7 @@ from fnt.model.compile import (
     graph_limit,
     is_compiled,
 )
+from fnt.model.decode_cache import LayerCursorCache, decode_cache
 from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.rollout.sampling import generate
 from fnt.store.rundir import METRICS_FILE, ckpt_root, step_dir
@@ -123,27 +126,45 @@ def test_the_reference_model_is_compiled_with_the_policy(tiny_model_dir, tiny_re
     assert all(is_compiled(layer) for layer in decoder_layers(reference))
 
 
-def test_generation_with_compiled_layers_gives_the_eager_tokens_and_compiles_nothing(
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))]
+
+
+def sample(model, **options) -> list[list[tuple[int, ...]]]:
+    """Two completions of each of PROMPTS; rows stop at token 0 or their own limit."""
+    return [
+        [c.token_ids for c in completions]
+        for completions in generate(
+            model.eval(),
+            PROMPTS,
+            num_samples=2,
+            max_new_tokens=[24, 9, 16],
+            stop_token_ids=[0],
+            **options,
+        )
+    ]
+
+
+def test_compiled_layers_decode_with_the_cursor_cache_and_its_tokens_are_the_eager_ones(
     policy_dir,
 ):
-    def sample(model):
-        return [
-            [c.token_ids for c in completions]
-            for completions in generate(
-                model.eval(),
-                [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 40))],
-                num_samples=2,
-                max_new_tokens=24,
-                stop_token_ids=[0],
-                greedy=True,
-            )
-        ]
-
+    """The cache compiled layers decode with, run eagerly here (nothing compiles): the tokens
+    of transformers' DynamicCache, greedy and sampled, with rows leaving the batch (each prompt
+    has its own limit)."""
     model = load_hf_model(ModelConfig(name=str(policy_dir)), torch.device("cpu"))
-    eager = sample(model)
+    assert isinstance(decode_cache(model, 64), DynamicCache)
+
+    def both(**options):
+        return sample(model, greedy=True), sample(model, generators=generators(), **options)
+
+    def generators():
+        return [torch.Generator().manual_seed(i) for i in range(len(PROMPTS))]
+
+    eager = both()
     compile_layers_(decoder_layers(model))
+    assert isinstance(decode_cache(model, 64), LayerCursorCache)
     before = compile_totals()
-    assert sample(model) == eager
+    with torch.compiler.set_stance("force_eager"):
+        assert both() == eager
     assert compile_totals().graphs == before.graphs
 
 
@@ -268,3 +289,36 @@ def test_two_rank_fsdp2_with_compiled_layers_matches_eager(two_rank_runs):
         assert eager["steps"][0] != eager["steps"][-1]  # it trained
         for got, want in zip(compiled["steps"], eager["steps"]):
             assert got == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_eager_tokens_in_a_bounded_number_of_graphs(policy_dir):
+    """Decoding runs the compiled layers (prefill runs them eagerly): greedy tokens equal to the
+    eager model's, and a handful of graphs for all layers and every batch size, prompt width
+    and cache length (measured: 2, the second when the cache length first changes)."""
+    torch.compiler.reset()
+    model = load_hf_model(ModelConfig(name=str(policy_dir)), torch.device("cpu"))
+    shapes = [{}, {"max_new_tokens": 12}, {"num_samples": 4, "max_new_tokens": 20}]
+    options = [dict({"num_samples": 2, "max_new_tokens": 24}, **shape) for shape in shapes]
+
+    def greedy(prompts, num_samples, max_new_tokens):
+        groups = generate(
+            model.eval(),
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=[0],
+            greedy=True,
+        )
+        return [[c.token_ids for c in completions] for completions in groups]
+
+    prompt_sets = [PROMPTS, PROMPTS[:2], [list(range(50, 90)), [7, 8]]]
+    eager = [greedy(p, **o) for p, o in zip(prompt_sets, options)]
+    compile_layers_(decoder_layers(model))
+    before = compile_totals()
+    assert [greedy(p, **o) for p, o in zip(prompt_sets, options)] == eager
+    graphs = compile_totals().graphs - before.graphs
+    assert 1 <= graphs <= 3 < graph_limit()
+    again = compile_totals()
+    assert greedy(prompt_sets[0], **options[0]) == eager[0]
+    assert compile_totals().graphs == again.graphs

@@ -38,7 +38,8 @@ from fnt.config import ConfigError, RLConfig
 from fnt.dist.collectives import full_state_dict
 from fnt.dist.parallel import rank_bounds, rank_share
 from fnt.dist.runtime import Runtime
-from fnt.model.loading import load_hf_model
+from fnt.model.compile import compile_layers_
+from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.model.lora import add_adapters_, is_adapted
 from fnt.rollout.base import (
     PromptRollouts,
@@ -51,10 +52,14 @@ from fnt.state import TrainState
 
 def inference_copy(config: RLConfig, runtime: Runtime) -> nn.Module:
     """The engine's unsharded model to generate with: the policy's architecture (with its LoRA
-    adapters, whose values each sync brings) and the base's weights, frozen."""
+    adapters, whose values each sync brings) and the base's weights, frozen. With model.compile
+    its decoder layers are compiled too, and decode compiled (fnt.model.decode_cache); the
+    background copy of async_level > 0 (a deepcopy, which drops compilation) decodes eagerly."""
     model = load_hf_model(config.model, runtime.device)
     if config.model.lora.rank:
         add_adapters_(model, config.model.lora)
+    if config.model.compile:
+        compile_layers_(decoder_layers(model))
     return model.eval().requires_grad_(False)
 
 
