@@ -42,9 +42,10 @@ the ratio is single-turn tokens/s over multi-turn tokens/s (target: at most 1.3)
 episode so far again (no KV cache is kept across turns), and an episode's context (prompt,
 hints, template text) is trained with it, so a step processes several times the tokens.
 
-`--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile)
-against fnt eager, both with the in-process engine, step by step in turn: rollout and update
-seconds separately (medians after --warmup, compiling left out), the seconds and graphs the
+`--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile, the
+in-process engine's copy included: it decodes compiled) against fnt eager, step by step in turn:
+rollout and update seconds separately and generation tokens/s (rollout/tokens_per_second;
+medians after --warmup, compiling left out of the seconds), the seconds and graphs the
 compiled side spent compiling (all of them, warm-up included) and the break-even step count
 (compile seconds over the per-step saving; null when compiled steps are not faster).
 
@@ -357,7 +358,7 @@ def compare_compile(args, task: list[str], work: Path) -> dict:
     }
     runtime = setup_trainer(configs["eager"])
     states = {side: init_state(config, runtime) for side, config in configs.items()}
-    keys = ("rollout", "update", "reward")
+    keys = ("rollout", "update", "reward", "generation_tok_s")
     seen = {side: {k: [] for k in keys} for side in states}
     compiled_seconds, compiled_graphs = 0.0, 0
     for i in range(args.warmup + args.steps):
@@ -377,6 +378,7 @@ def compare_compile(args, task: list[str], work: Path) -> dict:
             if i >= args.warmup:
                 seen[side]["rollout"].append(rolled - started - rollout_compile.seconds)
                 seen[side]["update"].append(updated - rolled - update_compile.seconds)
+                seen[side]["generation_tok_s"].append(row["rollout/tokens_per_second"])
             seen[side]["reward"].append(row["reward/mean"])
     for state in states.values():
         state.handles.rollouts.close()
@@ -387,23 +389,28 @@ def compare_compile(args, task: list[str], work: Path) -> dict:
         f"{rollout.max_new_tokens} new tokens, {torch.get_num_threads()} thread(s), "
         f"async_level {args.async_level}, median of {args.steps} steps after {args.warmup}"
     )
-    print(f"{'':9} {'step s':>8} {'rollout s':>10} {'update s':>9} {'reward':>7}")
+    print(
+        f"{'':9} {'step s':>8} {'rollout s':>10} {'update s':>9} {'generation tok/s':>17} "
+        f"{'reward':>7}"
+    )
     result: dict = {"case": "compile"}
     for side, values in seen.items():
         step = median([a + b for a, b in zip(values["rollout"], values["update"])])
         roll, update = median(values["rollout"]), median(values["update"])
-        reward = statistics.fmean(values["reward"])
-        print(f"{side:9} {step:8.3f} {roll:10.3f} {update:9.3f} {reward:7.3f}")
+        tok_s, reward = median(values["generation_tok_s"]), statistics.fmean(values["reward"])
+        print(f"{side:9} {step:8.3f} {roll:10.3f} {update:9.3f} {tok_s:17.0f} {reward:7.3f}")
         result |= {
             f"{side}_step_s": step,
             f"{side}_rollout_s": roll,
             f"{side}_update_s": update,
+            f"{side}_generation_tok_s": tok_s,
             f"{side}_reward_mean": reward,
         }
     saving = result["eager_step_s"] - result["compiled_step_s"]
     result |= {
         "speedup": result["eager_step_s"] / result["compiled_step_s"],
         "update_speedup": result["eager_update_s"] / result["compiled_update_s"],
+        "rollout_speedup": result["eager_rollout_s"] / result["compiled_rollout_s"],
         "compile_seconds": compiled_seconds,
         "compile_graphs": compiled_graphs,
         "break_even_steps": math.ceil(compiled_seconds / saving) if saving > 0 else None,
@@ -413,8 +420,9 @@ def compare_compile(args, task: list[str], work: Path) -> dict:
     }
     print(
         f"compiled / eager: step {1 / result['speedup']:.3f}, update "
-        f"{1 / result['update_speedup']:.3f}; compile {compiled_seconds:.1f} s in "
-        f"{compiled_graphs} graphs, break-even after {result['break_even_steps']} steps"
+        f"{1 / result['update_speedup']:.3f}, rollout {1 / result['rollout_speedup']:.3f}; "
+        f"compile {compiled_seconds:.1f} s in {compiled_graphs} graphs, break-even after "
+        f"{result['break_even_steps']} steps"
     )
     return result
 
