@@ -99,4 +99,5 @@ def test_the_rl_compile_comparison_prints_its_json_line(tmp_path):
     assert result["compile_seconds"] > 0 and result["compile_graphs"] >= 1
     for side in ("eager", "compiled"):
         assert result[f"{side}_rollout_s"] > 0 and result[f"{side}_update_s"] > 0
+        assert result[f"{side}_generation_tok_s"] > 0
     assert result["break_even_steps"] is None or result["break_even_steps"] >= 1

@@ -17,16 +17,14 @@ between) and on grad mode, so a run compiles a handful of graphs, at most `graph
 bound runs eagerly, with torch's warning. Every row says what its step compiled:
 `perf/compile_graphs` and `time/compile` (fnt.rows), which the throughput leaves out.
 
-Generation (fnt.rollout.sampling) runs the layers eagerly (`eager_layers`): with a KV cache the
-layer's code guards on its layer index and on the cache's state, so it would compile two or
-more graphs per layer (prefill and decode), past the bound at four layers, after which new
-shapes run eagerly anyway. Its tokens are those of the eager model. A static cache
-(transformers' StaticCache, decode compiled, prefill eager) keeps the per-layer graphs:
-`Cache.update(k, v, layer_idx)` indexes a Python list of per-layer caches with the layer's
-`layer_idx` attribute, and torch guards on the index of a list (also with
-torch._dynamo.config.allow_unspec_int_on_nn_module, which turns the attribute into a symbol only
-to specialize it there), so decoding compiled one graph per layer, and one more per layer when
-the cache length first changed (measured: 4 graphs for 2 layers, tokens identical, no faster).
+Generation (fnt.rollout.sampling) runs a prompt's prefill eagerly (`eager_layers`) and decodes
+with the compiled layers only with fnt.model.decode_cache's cursor cache. transformers' caches
+pick a layer's storage by its `layer_idx` (`self.layers[layer_idx]`), which torch compiles as a
+constant, so with a DynamicCache or a StaticCache decoding compiled one graph per layer (also
+with torch._dynamo.config.allow_unspec_int_on_nn_module, which makes the attribute a symbol
+only to specialize it at the list index), and one more per layer when the cache length first
+changed: 4 graphs for 2 layers, past the bound beyond four layers. The cursor cache keeps
+decoding to one graph for all layers (two once the cache length changes), tokens identical.
 """
 
 from __future__ import annotations
