@@ -30,6 +30,7 @@ usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
 commands:
   sft              supervised fine-tuning: fnt sft --config FILE.toml [--key=value]...
   rl               reinforcement learning: fnt rl --config FILE.toml [--key=value]...
+                   (fnt rl --list-environments: what rollout.environment can name)
   dpo              preference optimization on pairs: fnt dpo --config FILE.toml [--key=value]...
   vllm-serve       start the vLLM server of an RL run: fnt vllm-serve --config FILE.toml
   export           write a checkpoint as a Hugging Face model directory
@@ -102,7 +103,13 @@ def sft(argv: list[str]) -> None:
 def rl(argv: list[str]) -> None:
     """`fnt rl --config FILE.toml [--key=value]...`: rollouts from the in-process engine, from
     vLLM servers (`--rollout.engine vllm`) or, with `--rollout.engine external`, from an
-    orchestrator writing {output_dir}/rollouts/."""
+    orchestrator writing {output_dir}/rollouts/. `fnt rl --list-environments` lists what
+    rollout.environment can name."""
+    if argv == ["--list-environments"]:
+        from fnt.apps.environments import main
+
+        main()
+        return
     train(argv, RLConfig, train_rl)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
 from fnt.config import Config, DPOConfig, LoraConfig, RLConfig, engine_of
+from fnt.config.environments import has_prompts
 from fnt.config.references import import_function
 from fnt.dist.runtime import Runtime
 from fnt.model.loading import load_model
@@ -38,7 +39,7 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
     data's notes (the driver's rank 0; a research loop stays quiet)."""
     if isinstance(config, RLConfig):
         engine = engine_of(config.rollout)
-        if engine.samples_prompts and not config.rollout.prompts:
+        if engine.samples_prompts and not has_prompts(config.rollout):
             return {}  # a research loop that makes its RL batches itself
         return {"rollouts": import_function(engine.build, 2)(config, runtime)}
     layout = dict(

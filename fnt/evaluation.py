@@ -31,18 +31,21 @@ from torch import Tensor, nn
 
 from fnt.batch import to_device
 from fnt.config import Config, ConfigError, DPOConfig, RLConfig
+from fnt.config.environments import environment_val_size
 from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
 from fnt.data.pairs import load_pair_corpus, pack_pairs, pair_masking
-from fnt.dist.collectives import all_reduce_max, all_reduce_sum
+from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from fnt.dist.parallel import rank_share
 from fnt.dist.runtime import Runtime
 from fnt.model.lm_head import loss_tokens_of
 from fnt.model.lora import adapters_disabled
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.preference import SUM_KEYS, PairLogps, needs_reference, pair_sums, sequence_sums
-from fnt.rollout.prompts import Prompt, load_prompts
+from fnt.rollout.environments import environment_of
+from fnt.rollout.environments.protocol import Scored, weighted_reward
+from fnt.rollout.prompts import Prompt, load_prompts, source_prompts
 from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.sampling import generate
 from fnt.state import Stateless, TrainState
@@ -63,6 +66,10 @@ class EvalData(Stateless):
     """rollout.reward, which scores the greedy answers; None without val.prompts."""
     tokenizer: Any
     pad_token_id: int
+    environment: Optional[Any] = None
+    """The environment whose held-out prompts these are, which scores them (else reward_fn)."""
+    environment_name: str = ""
+    """How messages name it ("environment 'reasoning_gym:TASK'")."""
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """The val metrics of the model as `state` holds it, without the val/ prefix; every
@@ -87,17 +94,20 @@ class EvalData(Stateless):
                     "'val.prompts' is set but the state has no in-process rollout engine, "
                     "whose inference copy generates the greedy answers"
                 )
-            reward_sum, count = eval_reward_sums(
+            reward_sum, count, named = eval_reward_sums(
                 handles.rollouts, handles.model, self, handles.runtime, config
             )
             metrics["reward/mean"] = reward_sum / count if count else math.nan
+            for name, (named_count, named_sum) in sorted(named.items()):
+                metrics[f"reward/{name}/mean"] = named_sum / named_count
         return metrics
 
 
 def load_eval_data(config: Config) -> Optional[Any]:
     """The val data of `config` (None when it has none); DataError for a bad file or line."""
     val = config.val
-    if not (val.sources or val.prompts):
+    held_out = isinstance(config, RLConfig) and environment_val_size(config.rollout) > 0
+    if not (val.sources or val.prompts or held_out):
         return None
     if isinstance(config, DPOConfig):
         return load_pair_eval_data(config)
@@ -118,6 +128,15 @@ def load_eval_data(config: Config) -> Optional[Any]:
             raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
         prompts = load_prompts(val.prompts, tokenizer)
         reward_fn = reward_function(config.rollout.reward)
+    environment, environment_name = None, ""
+    if held_out:
+        environment, environment_name = environment_of(config.rollout)
+        prompts, _, _ = source_prompts(
+            environment.prompt_sources("val"),
+            tokenizer,
+            environment.start,
+            f"the held-out prompts of {environment_name}",
+        )
     return EvalData(
         corpus=corpus,
         rows=pack_in_order([corpus.length(i) for i in range(corpus.num_samples)], config.seq_len)
@@ -127,6 +146,8 @@ def load_eval_data(config: Config) -> Optional[Any]:
         reward_fn=reward_fn,
         tokenizer=tokenizer,
         pad_token_id=pad_token_id(tokenizer),
+        environment=environment,
+        environment_name=environment_name,
     )
 
 
@@ -241,13 +262,16 @@ def greedy_answers(
 
 def eval_reward_sums(
     engine: Any, policy: nn.Module, data: EvalData, runtime: Runtime, config: RLConfig
-) -> tuple[float, float]:
-    """(summed reward, prompt count) of the greedy answers to all val prompts over all ranks.
+) -> tuple[float, float, dict[str, list[float]]]:
+    """(summed reward, prompt count, named rewards' name -> [count, sum]) of the greedy answers
+    to all val prompts over all ranks.
 
     The engine's inference copy is synced with the policy first (every rank, a collective under
-    FSDP2); rank r answers prompts r, r + dp, ..., so no rank idles when the count is uneven. A
-    NaN or infinite reward follows rollout.on_bad_reward, as in training: "error" stops the run
-    naming the prompt, "skip" leaves that prompt out of the mean.
+    FSDP2); rank r answers prompts r, r + dp, ..., so no rank idles when the count is uneven.
+    Held-out prompts of an environment are scored by its `score` on the one-turn conversation
+    (its named rewards too); val.prompts by rollout.reward. A NaN or infinite reward follows
+    rollout.on_bad_reward, as in training: "error" stops the run naming the prompt, "skip"
+    leaves that prompt out of the mean.
     """
     engine.sync_weights_(policy)
     mine = data.prompts[runtime.dp_rank :: runtime.dims.dp]
@@ -257,16 +281,47 @@ def eval_reward_sums(
         max_new_tokens=config.rollout.max_new_tokens,
         stop_token_ids=engine.stop_token_ids,
     )
-    total, count, name = 0.0, 0, config.rollout.reward
+    total, count = 0.0, 0
+    named: dict[str, list[float]] = {}
     for prompt, ids in zip(mine, answers):
         text = data.tokenizer.decode(list(ids), skip_special_tokens=True)
-        where = f"line {prompt.line} of val.prompts ({config.val.prompts})"
-        rewards = score([text], prompt.record, data.reward_fn, name, where)
-        if keep_group(rewards, config.rollout.on_bad_reward, where, name):
-            total, count = total + rewards[0], count + 1
+        scored, name, where = held_out_score(prompt, text, data, config)
+        if keep_group([scored.reward], config.rollout.on_bad_reward, where, name):
+            total, count = total + scored.reward, count + 1
+            for part, value in scored.named:
+                pair = named.setdefault(part, [0.0, 0.0])
+                pair[0] += 1.0
+                pair[1] += value
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=runtime.device)
     reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
-    return reward_sum, count
+    merged: dict[str, list[float]] = {}
+    # The names may differ between ranks (each answers other prompts), so they travel as objects.
+    for rank_named in all_gather_objects(named, runtime.distributed):
+        for part, (part_count, part_sum) in rank_named.items():
+            pair = merged.setdefault(part, [0.0, 0.0])
+            pair[0] += part_count
+            pair[1] += part_sum
+    return reward_sum, count, merged
+
+
+def held_out_score(
+    prompt: Prompt, text: str, data: EvalData, config: RLConfig
+) -> tuple[Scored, str, str]:
+    """The reward of the greedy answer `text` to a val prompt, the name of what scored it and
+    where the prompt is (for messages)."""
+    if data.environment is None:
+        name = config.rollout.reward
+        where = f"line {prompt.line} of val.prompts ({config.val.prompts})"
+        return Scored(score([text], prompt.record, data.reward_fn, name, where)[0]), name, where
+    name = data.environment_name
+    where = f"held-out prompt {prompt.line} of {name}"
+    messages = [*prompt.messages, {"role": "assistant", "content": text}]
+    try:
+        value = data.environment.score(prompt.record, messages)
+    except Exception as e:
+        raise ValueError(f"{name} failed on {where}: {e}") from e
+    weights = getattr(data.environment, "reward_weights", None) or {}
+    return weighted_reward(value, weights, name, where), name, where
 
 
 # ---------------------------------------------------------------------------------------------

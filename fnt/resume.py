@@ -194,6 +194,13 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.vllm.weight_transfer": MAY_CHANGE,  # how the policy reaches the servers
     "rollout.vllm.nccl_address": MAY_CHANGE,
     "rollout.vllm.nccl_port": MAY_CHANGE,
+    # reasoning-gym's prompts are the data: the position indexes the generated prompts.
+    "rollout.reasoning_gym.tasks": FIXED,
+    "rollout.reasoning_gym.seed": FIXED,
+    "rollout.reasoning_gym.size": FIXED,
+    "rollout.reasoning_gym.val_size": MAY_CHANGE,  # validation reads, never trains
+    "rollout.reasoning_gym.answer": FIXED,  # it sets the default system prompt, so the prompts
+    "rollout.reasoning_gym.system_prompt": FIXED,
     "dpo.loss": MAY_CHANGE,  # as loss.kind: the loss shapes the updates to come
     "dpo.beta": MAY_CHANGE,
     "dpo.label_smoothing": MAY_CHANGE,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from fnt.config import Config, DPOConfig, RLConfig, RolloutConfig, engine_of
+from fnt.config.environments import environment_kind, require_installed, supplies_prompts
 from fnt.config.references import ENVIRONMENT_SHAPE, require_function
 from fnt.config.schema import source_kind
 from fnt.errors import CheckpointError, ConfigError, DataError, named
@@ -66,10 +67,7 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     is_rl = isinstance(config, RLConfig)
     if is_rl and engine_of(config.rollout).samples_prompts:  # it runs the episodes itself
         require_episodes(config.rollout)
-        first = first_record(config.rollout.prompts, "rollout.prompts")
-        from fnt.rollout.prompts import prompt_messages
-
-        check_record(first, prompt_messages)
+        check_first_prompt(config.rollout)
     # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
     resolve_resume_step(config.resume, ckpt_root(config.output_dir))
     require_lora_targets(config)
@@ -97,7 +95,14 @@ def check_rollout_inputs(config: RLConfig, model_name_source: str) -> None:
     (`require_episodes`) and the first record of rollout.prompts."""
     require_model(config, model_name_source)
     require_episodes(config.rollout)
-    first = first_record(config.rollout.prompts, "rollout.prompts")
+    check_first_prompt(config.rollout)
+
+
+def check_first_prompt(rollout: RolloutConfig) -> None:
+    """The first record of rollout.prompts, unless the environment makes the prompts."""
+    if supplies_prompts(rollout):
+        return
+    first = first_record(rollout.prompts, "rollout.prompts")
     from fnt.rollout.prompts import prompt_messages
 
     check_record(first, prompt_messages)
@@ -143,9 +148,16 @@ def check_data(config: Config) -> None:
 
 def require_episodes(rollout: RolloutConfig) -> None:
     """ConfigError unless what runs the episodes can be found: rollout.environment's factory
-    (imported, taking the rollout config), or without one rollout.reward. The factory is not
-    called here (a user's may start tools or servers): the protocol check waits for the run."""
-    if rollout.environment:
+    (imported, taking the rollout config), or without one rollout.reward. A user's factory is
+    not called here (it may start tools or servers): the protocol check waits for the run; a
+    built-in integration's is (fnt.config.environments), which checks its extra and settings."""
+    kind = environment_kind(rollout.environment)
+    if kind.build:  # a built-in integration: its extra installed, its settings accepted
+        require_installed(kind, rollout.environment)
+        from fnt.config.references import import_function
+
+        import_function(kind.build, 1)(rollout)
+    elif rollout.environment:
         require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
     else:
         require_reward(rollout.reward)

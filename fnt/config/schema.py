@@ -369,6 +369,38 @@ class VLLMConfig:
     """weight_transfer = nccl: rank 0 listens for server i's NCCL group on nccl_port + i."""
 
 
+@dataclass_json
+@dataclass(frozen=True)
+class TaskConfig:
+    """One reasoning-gym task of the prompt mixture and its share."""
+
+    name: str = ""
+    """The task's reasoning-gym name, e.g. "spell_backward" (fnt rl --list-environments)."""
+    weight: float = 1.0
+    """Relative share of this task's prompts in the mixture."""
+    params: tuple[str, ...] = ()
+    """The task's own settings as "key=value" (value read as JSON, else text): "max_word_len=6"."""
+
+
+@dataclass_json
+@dataclass(frozen=True)
+class ReasoningGymConfig:
+    """rollout.environment = "reasoning_gym[:TASK]": the tasks, their seeds, the answer format."""
+
+    tasks: tuple[TaskConfig, ...] = ()
+    """Tasks mixed by weight, with environment = "reasoning_gym" ("reasoning_gym:TASK": one)."""
+    seed: int = 0
+    """Each task's training prompts use dataset seeds seed .. seed + size - 1."""
+    size: int = 10000
+    """Training prompts generated per task."""
+    val_size: int = 0
+    """Held-out prompts per task for val/ (seeds from seed + size on, no training question)."""
+    answer: Literal["tag", "text"] = "tag"
+    """The answer scored: the reply's last <answer>...</answer> (tag) or the whole reply (text)."""
+    system_prompt: str = ""
+    """System message of every prompt; empty: reasoning-gym's <answer> instruction (tag), none."""
+
+
 EngineName = Literal[tuple(ENGINES)]
 """The names of the rollout engines (fnt.config.engines.ENGINES)."""
 
@@ -393,7 +425,7 @@ class RolloutConfig:
     reward: str = ""
     """Reward function: a registry name (see fnt.rollout.rewards) or "module:function"."""
     environment: str = ""
-    """Episodes: "module:factory" of an environment (fnt.rollout.environments); empty: one turn."""
+    """Episodes: "module:factory", "reasoning_gym:TASK" (fnt rl --list-environments); "": 1 turn."""
     max_turns: int = 4
     """Model turns per episode at most; an environment answering the last one truncates it."""
     max_episode_tokens: int = 0
@@ -416,6 +448,8 @@ class RolloutConfig:
     """Every N steps, save a step's samples and show a few (0: 4 times a run; -1: never)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """engine = "vllm": the servers and their sampling settings."""
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """environment = "reasoning_gym[:TASK]": the generated tasks (pip install 'fnt[tasks]')."""
 
 
 @dataclass_json

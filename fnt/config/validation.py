@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from fnt.config.engines import ENGINES, engine_of
+from fnt.config.environments import environment_kind, environment_val_size, has_prompts
 from fnt.config.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.config.references import require_function
 from fnt.config.schema import (
@@ -287,7 +288,8 @@ def validate_val(config: Config) -> None:
     if val.interval < 0:
         raise ConfigError(f"'val.interval' = {val.interval}: must be >= 0 (0: no step)")
     validate_sources(val.sources, "val.sources")
-    has_data = bool(val.sources or val.prompts)
+    held_out = isinstance(config, RLConfig) and environment_val_size(config.rollout) > 0
+    has_data = bool(val.sources or val.prompts or held_out)
     evaluates = val.interval > 0 or val.eval_on_start
     if has_data and not evaluates:
         raise ConfigError(
@@ -296,16 +298,32 @@ def validate_val(config: Config) -> None:
         )
     if evaluates and not has_data:
         raise ConfigError(
-            "'val.sources' and 'val.prompts' are empty: validation needs data to evaluate "
+            "'val.sources' and 'val.prompts' are empty (and no environment makes held-out "
+            "prompts): validation needs data to evaluate "
             f"(val.interval = {val.interval}, val.eval_on_start = {val.eval_on_start})"
         )
+    if held_out:
+        key = environment_kind(config.rollout.environment).held_out_key
+        if val.prompts:
+            raise ConfigError(
+                f"'val.prompts' = {val.prompts!r}: rollout.environment = "
+                f"{config.rollout.environment!r} makes the held-out prompts ({key}); leave "
+                "val.prompts empty"
+            )
+        if not engine_of(config.rollout).greedy_eval:
+            greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
+            raise ConfigError(
+                f"'{key}' = {environment_val_size(config.rollout)}: greedy answers to the held-out "
+                f"prompts come from an inference copy of the policy, which only the {greedy} "
+                "rollout engine holds: set rollout.engine to it, or the key to 0"
+            )
     if val.prompts:
         if not isinstance(config, RLConfig):
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: prompts are scored by rollout.reward, so they "
                 "need an RL run (fnt rl); an SFT run validates on val.sources"
             )
-        if not engine_of(config.rollout).greedy_eval or not config.rollout.prompts:
+        if not engine_of(config.rollout).greedy_eval or not has_prompts(config.rollout):
             greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: greedy answers come from an inference copy of "
@@ -321,19 +339,23 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
         if not ok:
             raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
 
-    require(bool(rollout.prompts), "prompts", "name a JSONL file of prompts")
+    kind = environment_kind(rollout.environment)
+    if kind.check is not None:
+        kind.check(rollout)
+    require(has_prompts(rollout), "prompts", "name a JSONL file of prompts")
     require(
         bool(rollout.reward or rollout.environment),
         "reward",
         'name a reward (see fnt.rollout.rewards) or "module:function", or set rollout.environment',
     )
-    if rollout.environment:
+    if kind.name == "factory":
         module, colon, factory = rollout.environment.partition(":")
         require(
             bool(module and colon and factory),
             "environment",
             'must be "module:factory", a function returning an environment '
-            "(fnt.rollout.environments)",
+            '(fnt.rollout.environments), or a built-in one such as "reasoning_gym:TASK" '
+            "(fnt rl --list-environments)",
         )
     require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
     require(rollout.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0: seq_len)")

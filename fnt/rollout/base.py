@@ -12,12 +12,13 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.config import ConfigError, RLConfig, validate_rollout
+from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
+from fnt.config.environments import supplies_prompts
 from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from fnt.dist.parallel import check_batch_layout
 from fnt.dist.runtime import Runtime
@@ -31,7 +32,13 @@ from fnt.rollout.environments.episodes import (
     scored_samples,
 )
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
-from fnt.rollout.prompts import Prompt, load_prompts, prompt_order, step_prompts
+from fnt.rollout.prompts import (
+    Prompt,
+    load_prompts,
+    prompt_order,
+    source_prompts,
+    step_prompts,
+)
 from fnt.rollout.saved_samples import save_samples_
 
 # A sampler's float32 or bf16 log-softmax can round a probability of 1 to a logprob a little
@@ -72,15 +79,17 @@ class PromptRollouts:
                 f"sample, so it must fit seq_len = {config.seq_len}"
             )
         budget = rollout.max_episode_tokens or config.seq_len
-        self.prompts = load_prompts(rollout.prompts, self.tokenizer, self.environment.start)
+        self.prompts, sizes, weights, where = run_prompts(
+            rollout, self.environment, name, self.tokenizer
+        )
         check_prompt_lengths(
             self.prompts,
-            rollout.prompts,
+            where,
             max_new_tokens=rollout.max_new_tokens,
             seq_len=config.seq_len,
             budget=budget,
         )
-        self.order = prompt_order(len(self.prompts), config.seed)
+        self.order = prompt_order(len(self.prompts), config.seed, sizes, weights)
         self.rules = EpisodeRules(
             group_size=rollout.group_size,
             max_new_tokens=rollout.max_new_tokens,
@@ -89,7 +98,7 @@ class PromptRollouts:
             on_truncated=rollout.on_truncated,
             on_bad_reward=rollout.on_bad_reward,
             std_normalize=rollout.std_normalize,
-            prompts_path=rollout.prompts,
+            prompts_path=where,
             name=name,
         )
 
@@ -160,6 +169,21 @@ class PromptRollouts:
             data_after=after,
             metrics=metrics,
         )
+
+
+def run_prompts(
+    rollout: RolloutConfig, environment: Any, name: str, tokenizer: Any
+) -> tuple[tuple[Prompt, ...], tuple[int, ...], tuple[float, ...], str]:
+    """A run's prompts, their sources' sizes and weights (empty: one source) and how messages
+    name them: rollout.prompts' records, or the "train" prompt sources of an environment that
+    makes its own (fnt.rollout.environments.protocol)."""
+    if not supplies_prompts(rollout):
+        return load_prompts(rollout.prompts, tokenizer, environment.start), (), (), rollout.prompts
+    where = f"the training prompts of {name}"
+    prompts, sizes, weights = source_prompts(
+        environment.prompt_sources("train"), tokenizer, environment.start, where
+    )
+    return prompts, sizes, weights, where
 
 
 def rollout_policy_step(step: int, async_level: int) -> int:

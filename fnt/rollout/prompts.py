@@ -7,14 +7,16 @@ continues with the assistant's answer. Every field of the record stays available
 
 Order: the prompts of epoch e are a permutation seeded by (seed, e) (fnt.data.order with one
 source), so the prompt at a data position (epoch, cursor) is a pure function of (seed, epoch,
-cursor). Step N takes the next prompts_per_step prompts of that order, wrapping into the next epoch,
-and rank r takes the r-th contiguous share of them (fnt.dist.parallel.rank_share).
+cursor). An environment that makes its own prompts (`source_prompts`) has several sources, mixed
+by weight the same way. Step N takes the next prompts_per_step prompts of that order, wrapping
+into the next epoch, and rank r takes the r-th contiguous share of them
+(fnt.dist.parallel.rank_share).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -85,8 +87,23 @@ def load_prompts(
 
     `start` (an environment's, fnt.rollout.environments.protocol) gives a record's first
     messages and tools; without it a record's messages are `prompt_messages`."""
+    records = jsonl_records(path, f"the prompts file {path}")
+    prompts = render_records(records, tokenizer, start, str(path))
+    if not prompts:
+        raise DataError(f"{path}: the file is empty (no JSONL prompt records)")
+    return prompts
+
+
+def render_records(
+    numbered: Iterable[tuple[int, Any]],
+    tokenizer,
+    start: Optional[Callable[[Any], Any]],
+    where: str,
+) -> tuple[Prompt, ...]:
+    """(line number, record) pairs as rendered prompts; DataError naming `where` and the line of
+    a record that cannot be rendered."""
     prompts = []
-    for line_number, record in jsonl_records(path, f"the prompts file {path}"):
+    for line_number, record in numbered:
         try:
             if start is None:
                 messages, tools = prompt_messages(record), None
@@ -95,9 +112,9 @@ def load_prompts(
                 messages, tools = list(begun.messages), begun.tools
             token_ids = render_prompt(messages, tokenizer, tools)
         except ValueError as e:
-            raise DataError(f"{path}, line {line_number}: {e}") from e
+            raise DataError(f"{where}, line {line_number}: {e}") from e
         if not token_ids:
-            raise DataError(f"{path}, line {line_number}: the prompt renders to no tokens")
+            raise DataError(f"{where}, line {line_number}: the prompt renders to no tokens")
         prompts.append(
             Prompt(
                 record=record,
@@ -107,14 +124,39 @@ def load_prompts(
                 tools=None if tools is None else tuple(tools),
             )
         )
-    if not prompts:
-        raise DataError(f"{path}: the file is empty (no JSONL prompt records)")
     return tuple(prompts)
 
 
-def prompt_order(num_prompts: int, seed: int) -> SampleOrder:
-    """The order prompts are drawn in: a fresh seeded permutation of all prompts every epoch."""
-    return SampleOrder(source_sizes=(num_prompts,), weights=(1.0,), seed=seed, shuffle=True)
+def source_prompts(
+    sources: Sequence[Any], tokenizer, start: Callable[[Any], Any], where: str
+) -> tuple[tuple[Prompt, ...], tuple[int, ...], tuple[float, ...]]:
+    """The prompts of an environment's prompt sources (fnt.rollout.environments.protocol.
+    PromptSource), concatenated in source order, with each source's size and weight (what
+    `prompt_order` mixes). A record's "line" is its 1-based number within its source."""
+    prompts: list[Prompt] = []
+    for source in sources:
+        if not source.records:
+            raise DataError(f"{where}: the prompt source {source.name!r} has no records")
+        numbered = enumerate(source.records, start=1)
+        prompts += render_records(numbered, tokenizer, start, f"{where} ({source.name})")
+    sizes = tuple(len(source.records) for source in sources)
+    weights = tuple(float(source.weight) for source in sources)
+    if not sizes:
+        raise DataError(f"{where}: the environment made no prompt sources")
+    return tuple(prompts), sizes, weights
+
+
+def prompt_order(
+    num_prompts: int, seed: int, sizes: Sequence[int] = (), weights: Sequence[float] = ()
+) -> SampleOrder:
+    """The order prompts are drawn in: a fresh seeded permutation of all prompts every epoch;
+    with `sizes` and `weights`, sources of those sizes (in prompt order) mixed by weight as SFT
+    mixes data sources (fnt.data.order)."""
+    if not sizes:
+        sizes, weights = (num_prompts,), (1.0,)
+    if sum(sizes) != num_prompts:
+        raise ValueError(f"the sources' sizes {tuple(sizes)} do not add up to {num_prompts}")
+    return SampleOrder(source_sizes=tuple(sizes), weights=tuple(weights), seed=seed, shuffle=True)
 
 
 def step_prompts(

@@ -1,20 +1,22 @@
 """RL environments: the protocol (protocol.py), the built-ins (single_turn.py, tools.py,
-feedback.py), the token-exact rendering of a conversation's next turn (render.py) and the
+feedback.py), reasoning-gym's tasks (tasks.py), the token-exact rendering of a conversation's next turn (render.py) and the
 episodes of a step run turn by turn (episodes.py). Pure, except that `environment_of` imports
 the module a "module:factory" names.
 
 `rollout.environment = "module:factory"` names a function called once per run as
 factory(rollout_config) that returns the environment; empty is the single-turn environment
-with rollout.reward.
+with rollout.reward; a built-in integration's prefix ("reasoning_gym:TASK") is built by its
+entry of fnt.config.environments (`fnt rl --list-environments`).
 """
 
 from __future__ import annotations
 
 from fnt.config import RolloutConfig
-from fnt.config.references import ENVIRONMENT_SHAPE, require_function
+from fnt.config.environments import environment_kind, require_installed
+from fnt.config.references import ENVIRONMENT_SHAPE, import_function, require_function
 from fnt.errors import ConfigError
 from fnt.rollout.environments.feedback import FeedbackEnvironment
-from fnt.rollout.environments.protocol import Environment, Reply, Start
+from fnt.rollout.environments.protocol import Environment, PromptSource, Reply, Start
 from fnt.rollout.environments.single_turn import SingleTurnEnvironment
 from fnt.rollout.environments.tools import ToolEnvironment, parse_tool_calls, tool_schema
 from fnt.rollout.rewards import reward_function
@@ -22,6 +24,7 @@ from fnt.rollout.rewards import reward_function
 __all__ = [
     "Environment",
     "FeedbackEnvironment",
+    "PromptSource",
     "Reply",
     "SingleTurnEnvironment",
     "Start",
@@ -37,7 +40,14 @@ def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
     called with the rollout config, or the single-turn environment with rollout.reward."""
     if not rollout.environment:
         return SingleTurnEnvironment(reward_function(rollout.reward)), f"reward {rollout.reward!r}"
-    factory = require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
+    kind = environment_kind(rollout.environment)
+    if kind.build:
+        require_installed(kind, rollout.environment)
+        factory = import_function(kind.build, 1)
+    else:
+        factory = require_function(
+            rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE
+        )
     environment = factory(rollout)
     missing = [
         m for m in ("start", "respond", "score") if not callable(getattr(environment, m, None))

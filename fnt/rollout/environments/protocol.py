@@ -15,6 +15,13 @@ the environment owns the conversation and the reward):
         The episode's reward; named rewards are summed with the environment's `reward_weights`
         (a name it lacks weighs 1.0) and logged each as reward/{name}/mean.
 
+an optional method, for an environment that makes its own prompts (rollout.prompts empty):
+
+    prompt_sources(split) -> Sequence[PromptSource]
+        The prompt records of split "train" (what the run samples, the sources mixed by weight
+        as SFT mixes data sources, fnt.data.order) or "val" (held-out prompts for val/, never
+        among the training ones); the same records every call,
+
 and two optional attributes: `reward_weights` (a mapping, default {}) and
 `keep_special_tokens` (default False: a model turn's text is decoded without special tokens,
 as rewards have always seen it; True keeps them and drops only the turn's final stop token, for
@@ -53,6 +60,18 @@ class Reply:
     """Tool calls the turn made that were run."""
     tool_errors: int = 0
     """Of those, the ones that failed (a raising tool, a malformed call, an unknown name)."""
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """Prompt records an environment makes, and their share of the training mixture."""
+
+    name: str
+    """How metrics and messages name the source (a reasoning-gym task's name)."""
+    records: tuple[Mapping[str, Any], ...]
+    """The records `start` and `score` are given, in a fixed order."""
+    weight: float = 1.0
+    """Relative share of this source's prompts in a step's mixture."""
 
 
 class Environment(Protocol):

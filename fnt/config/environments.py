@@ -1,0 +1,173 @@
+"""The RL environments fnt knows by name, one entry each: how rollout.environment names them,
+what installs them and whether they bring their own prompts. Pure, apart from
+`require_installed`, which asks the import system whether a package is present (no import).
+
+rollout.environment is routed by its part before the first ":" (`environment_kind`): empty is the
+single-turn environment with rollout.reward; a registered prefix ("reasoning_gym") is that
+integration, its `build` called as build(rollout) -> environment; anything else is a user's
+"module:factory". `fnt rl --list-environments` prints this table (fnt.apps.environments).
+
+Adding an integration is its implementation's file and one entry here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from fnt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fnt.config.schema import RolloutConfig
+
+
+@dataclass(frozen=True)
+class EnvironmentKind:
+    """What fnt knows of an environment (or a kind of them) before it is imported."""
+
+    name: str
+    """Its name in the table."""
+    spelling: str
+    """How rollout.environment names it."""
+    summary: str
+    """One line for the docs and --list-environments."""
+    prefix: Optional[str] = None
+    """The part of rollout.environment before ":" that selects it (None: not routed by prefix)."""
+    build: str = ""
+    """"module:function" called as build(rollout) -> environment (empty: fnt.rollout builds it)."""
+    extra: str = ""
+    """The pip extra that installs what it needs (pip install 'fnt[EXTRA]'); empty: built in."""
+    requires: str = ""
+    """The import name of the package the extra installs."""
+    distribution: str = ""
+    """That package's name on the package index (for its installed version)."""
+    names: str = ""
+    """"module:function" listing what it can name once installed (reasoning-gym's tasks)."""
+    supplies_prompts: bool = False
+    """It generates its own prompts (and held-out prompts): rollout.prompts stays empty."""
+    check: Optional[Callable[[RolloutConfig], None]] = None
+    """ConfigError unless its own keys can run; pure."""
+    held_out: Optional[Callable[[RolloutConfig], int]] = None
+    """How many held-out prompts (per source) it makes for val/ (None: it makes none)."""
+    held_out_key: str = ""
+    """The config key that sets `held_out`, for messages."""
+
+
+def check_reasoning_gym(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.reasoning_gym's keys name tasks and sizes that can run. Pure."""
+    rg = rollout.reasoning_gym
+    _, _, task = rollout.environment.partition(":")
+    if task and rg.tasks:
+        raise ConfigError(
+            f"'rollout.environment' = {rollout.environment!r} names a task and "
+            "rollout.reasoning_gym.tasks lists tasks: name them in one place (environment = "
+            '"reasoning_gym" with the tasks, or "reasoning_gym:TASK" without them)'
+        )
+    if not task and not rg.tasks:
+        raise ConfigError(
+            "'rollout.environment' = 'reasoning_gym' needs tasks: "
+            '"reasoning_gym:TASK" or rollout.reasoning_gym.tasks = [{name = "TASK"}, ...]'
+        )
+    for i, spec in enumerate(rg.tasks):
+        key = f"rollout.reasoning_gym.tasks[{i}]"
+        if not spec.name:
+            raise ConfigError(f"'{key}.name' is empty: name a reasoning-gym task")
+        if not spec.weight > 0:
+            raise ConfigError(f"'{key}.weight' = {spec.weight!r}: must be > 0")
+        for param in spec.params:
+            if "=" not in param or not param.partition("=")[0].strip():
+                raise ConfigError(
+                    f'\'{key}.params\' has {param!r}: each is "key=value" (e.g. "max_word_len=6")'
+                )
+    names = [spec.name for spec in rg.tasks]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"'rollout.reasoning_gym.tasks' names a task twice: {names}")
+    if rg.size < 1:
+        raise ConfigError(f"'rollout.reasoning_gym.size' = {rg.size}: must be at least 1")
+    if rg.val_size < 0:
+        raise ConfigError(f"'rollout.reasoning_gym.val_size' = {rg.val_size}: must be >= 0")
+    if rollout.prompts:
+        raise ConfigError(
+            f"'rollout.prompts' = {rollout.prompts!r}: reasoning-gym generates the prompts of "
+            f"rollout.environment = {rollout.environment!r}; leave rollout.prompts empty"
+        )
+
+
+def reasoning_gym_val_size(rollout: RolloutConfig) -> int:
+    """rollout.reasoning_gym.val_size: held-out prompts per task. Pure."""
+    return rollout.reasoning_gym.val_size
+
+
+ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
+    EnvironmentKind(
+        name="single_turn",
+        spelling='"" (empty), with rollout.reward',
+        summary="one model turn per prompt of rollout.prompts, scored by rollout.reward",
+    ),
+    EnvironmentKind(
+        name="factory",
+        spelling='"module:factory"',
+        summary="your function factory(rollout) -> environment (fnt.rollout.environments: "
+        "ToolEnvironment, FeedbackEnvironment or your own class), on rollout.prompts",
+    ),
+    EnvironmentKind(
+        name="reasoning_gym",
+        spelling='"reasoning_gym:TASK", or "reasoning_gym" with rollout.reasoning_gym.tasks',
+        summary="reasoning-gym's seeded task generators make the prompts (train and held-out) "
+        "and its scorers the rewards",
+        prefix="reasoning_gym",
+        build="fnt.rollout.environments.tasks:build",
+        extra="tasks",
+        requires="reasoning_gym",
+        distribution="reasoning-gym",
+        names="fnt.rollout.environments.tasks:task_names",
+        supplies_prompts=True,
+        check=check_reasoning_gym,
+        held_out=reasoning_gym_val_size,
+        held_out_key="rollout.reasoning_gym.val_size",
+    ),
+)
+"""The environments fnt knows, in the order --list-environments shows them."""
+
+
+def environment_kind(environment: str) -> EnvironmentKind:
+    """The entry rollout.environment = `environment` is routed to (module docstring)."""
+    by_name = {kind.name: kind for kind in ENVIRONMENTS}
+    if not environment:
+        return by_name["single_turn"]
+    prefix = environment.partition(":")[0]
+    for kind in ENVIRONMENTS:
+        if kind.prefix is not None and kind.prefix == prefix:
+            return kind
+    return by_name["factory"]
+
+
+def supplies_prompts(rollout: RolloutConfig) -> bool:
+    """Whether the run's prompts come from its environment rather than rollout.prompts. Pure."""
+    return environment_kind(rollout.environment).supplies_prompts
+
+
+def has_prompts(rollout: RolloutConfig) -> bool:
+    """Whether a run samples prompts at all: rollout.prompts, or an environment's own. Pure."""
+    return bool(rollout.prompts) or supplies_prompts(rollout)
+
+
+def environment_val_size(rollout: RolloutConfig) -> int:
+    """Held-out prompts per source the run's environment makes for val/ (0: none). Pure."""
+    kind = environment_kind(rollout.environment)
+    return kind.held_out(rollout) if kind.held_out is not None else 0
+
+
+def is_installed(kind: EnvironmentKind) -> bool:
+    """Whether what `kind` needs is importable (always, for a built-in one)."""
+    return not kind.requires or importlib.util.find_spec(kind.requires) is not None
+
+
+def require_installed(kind: EnvironmentKind, environment: str) -> None:
+    """ConfigError (one line, naming the extra) unless the package `kind` needs is installed."""
+    if not is_installed(kind):
+        raise ConfigError(
+            f"'rollout.environment' = {environment!r} needs the {kind.requires} package, which is "
+            f"not installed: pip install 'fnt[{kind.extra}]'"
+        )
