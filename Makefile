@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo demo-multiturn test test-slow test-numerics test-vllm vllm-env bench lint clean
+.PHONY: setup demo demo-multiturn demo-task test test-slow test-numerics test-vllm vllm-env bench lint clean
 
 setup: $(VENV)/.installed $(VENV)/.native
 
@@ -32,6 +32,12 @@ demo: $(VENV)/.installed
 # each RL; its last line is JSON.
 demo-multiturn: $(VENV)/.installed
 	$(PY) examples/reverse_text/demo_multiturn.py --runs $(RUNS)
+
+# The demo on a real task: SFT on reverse-text chats, RL on reasoning-gym's spell_backward task
+# (generated and scored by reasoning-gym, the tasks extra that the dev one includes); held-out
+# accuracy before and after RL; its last line is JSON.
+demo-task: $(VENV)/.installed
+	$(PY) examples/reverse_text/demo_task.py --runs $(RUNS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -195,3 +195,15 @@ def test_a_missing_extra_is_one_line_naming_it(monkeypatch):
             "'rollout.environment' = 'reasoning_gym:spell_backward' needs the reasoning_gym "
             "package, which is not installed: pip install 'fnt[tasks]'"
         )
+
+
+def test_a_task_without_room_for_both_splits_is_refused_naming_it():
+    config = rollout(
+        "reasoning_gym",
+        tasks=(TaskConfig("spell_backward", params=("min_word_len=3", "max_word_len=3")),),
+        size=3000,
+        val_size=3000,
+    )
+    environment, _ = environment_of(config)
+    with pytest.raises(ConfigError, match=r"tasks\[0\]'.* made only \d+ held-out questions"):
+        environment.prompt_sources("val")
