@@ -136,6 +136,10 @@ ROWS = [
     Row("rl", "wrong signature", "environment factory takes two positional arguments",
         (*RL_NEW, "--rollout.environment", "shutil:copyfile"),
         "cannot take 1 positional arguments"),
+    # The integration's module (fnt.rollout) imports torch; reasoning-gym itself does not.
+    Row("rl", "bad reference", "reasoning-gym task misspelled",
+        (*RL_NEW, "--rollout.prompts=", "--rollout.environment", "reasoning_gym:spell_backwards"),
+        "is not a reasoning-gym task (did you mean 'spell_backward'?)", imports_torch=True),
     Row("rl", "bad reference", "custom loss module cannot be imported",
         (*RL_NEW, "--loss.kind", "custom", "--loss.custom", "nosuchmod:loss"),
         "'loss.custom' = 'nosuchmod:loss': cannot import module"),
