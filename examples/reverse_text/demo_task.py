@@ -36,7 +36,11 @@ TASK = "spell_backward"
 PARAMS = ["min_word_len=4", "max_word_len=10"]
 SIZE, VAL_SIZE = 10000, 200
 SFT_STEPS = 140
-RL_STEPS = 100
+# Measured (seed 0, 2 shared cores): 100 steps gave held-out score 0.12 -> 0.76, accuracy 0 -> 0
+# (answers ran on past the word; the scorer gives a right prefix of a longer answer 0.8);
+# 200 steps with on_truncated = "zero": score 0.12 -> 0.83, accuracy 0 -> 0.005 (197 s).
+RL_STEPS = 200
+MAX_NEW_TOKENS = 12  # rl.toml's: 10 letters and the end of the turn
 
 
 def evaluate(model: Path) -> dict:
@@ -44,6 +48,7 @@ def evaluate(model: Path) -> dict:
     args = [str(HERE / "eval_task.py"), "--model", str(model), "--task", TASK]
     args += [f"--param={p}" for p in PARAMS]
     args += ["--size", str(SIZE), "--val-size", str(VAL_SIZE), "--answer", "text"]
+    args += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=REPO,
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     rl_args += ["--rollout.reasoning_gym.answer", "text"]
     rl_args += ["--rollout.reasoning_gym.size", str(SIZE)]
     rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
+    # An answer cut off at max_new_tokens never stopped: reward 0, so that RL learns to stop.
+    rl_args += ["--rollout.on-truncated", "zero"]
     rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
     run("scripts/rl.py", *rl_args)
     export(rl_dir, rl_hf)
