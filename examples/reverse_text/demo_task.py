@@ -3,7 +3,7 @@ reasoning-gym's spell_backward task ("Spell this word backward (example: sun -> 
 generated and scored by reasoning-gym (rollout.environment = "reasoning_gym"; pip install
 'fnt[tasks]'). Side effects: writes under --runs and runs the scripts in subprocesses.
 
-The SFT stage (demo.py's, sft.toml) teaches reversing random strings asked as "reverse: abc";
+The SFT stage (sft.toml, 300 steps) teaches reversing random strings asked as "reverse: abc";
 the task asks for real words in reasoning-gym's own wording, which the model never saw. RL then
 trains on the task's training prompts (dataset seeds 0..9999), rewarded by the task's scorer
 (1 for the reversed word, case-insensitive; else the fraction of leading letters right).
@@ -35,11 +35,12 @@ TASK = "spell_backward"
 # Words of 4-10 letters, the lengths of the SFT strings.
 PARAMS = ["min_word_len=4", "max_word_len=10"]
 SIZE, VAL_SIZE = 10000, 200
-SFT_STEPS = 140
-# Measured (seed 0, 2 shared cores): 100 steps gave held-out score 0.12 -> 0.76, accuracy 0 -> 0
-# (answers ran on past the word; the scorer gives a right prefix of a longer answer 0.8);
-# 200 steps with on_truncated = "zero": score 0.12 -> 0.83, accuracy 0 -> 0.005 (197 s).
-RL_STEPS = 200
+# Measured (seed 0, 2 shared cores): 140 SFT + 100 RL steps gave held-out score 0.12 -> 0.76,
+# accuracy 0 -> 0 (answers ran on past the word; the scorer gives a right prefix of a longer
+# answer 0.8); 140 + 200 with on_truncated = "zero": 0.12 -> 0.83, accuracy 0 -> 0.005 (197 s);
+# 300 + 300: score 0.14 -> 0.93, accuracy 0 -> 0.29 (292 s).
+SFT_STEPS = 300
+RL_STEPS = 300
 MAX_NEW_TOKENS = 12  # rl.toml's: 10 letters and the end of the turn
 
 
