@@ -158,7 +158,13 @@ def test_a_preempted_async_rl_run_keeps_its_rollout_policies_in_the_checkpoint_a
     assert resolve_resume_step("latest", out / "checkpoints") == last
     assert f"stopped after checkpointing step {last}, exit status 143" in stdout
     assert (out / "checkpoints" / f"step_{last}" / COMPONENTS_DIR / "rollouts.pt").is_file()
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoints"]
+    # Nothing half-written beside the checkpoints: the saved samples (a step's file is written
+    # whole) of the steps that ran, and no other directory.
+    assert {p.name for p in out.iterdir() if p.is_dir()} <= {"checkpoints", "samples"}
+    saved = (
+        sorted(p.name for p in (out / "samples").glob("*")) if (out / "samples").is_dir() else []
+    )
+    assert all(re.fullmatch(r"step_\d+\.jsonl", n) and int(n[5:-6]) <= last for n in saved), saved
     run_cli("rl", *rl_args(out, "--resume", "latest"))
     keys = ("loss/mean", "reward/mean", "optim/grad_norm", "rollout/staleness")
     assert_resumed_run_matches(full, out, last, steps, keys, tmp_path)
