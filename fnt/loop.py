@@ -59,9 +59,9 @@ def run(
     SIGUSR1 the run checkpoints the step it is at and raises `Preempted`
     (fnt.run_context).
     """
-    ckpt = config.ckpt
     with RunContext(config) as ctx:
         state = start_state(config, ctx.runtime)
+        config, ckpt = state.config, state.config.ckpt  # max_epochs resolved to max_steps
         ctx.begin_(state)
         rows = RowBuilder(state)  # with val.eval_on_start, evaluates the start state
         if on_state is not None:

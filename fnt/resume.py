@@ -84,6 +84,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "output_dir": MAY_CHANGE,  # a run directory that was moved or copied
     "seed": FIXED,  # data order, synthetic data and RL sampling seeds derive from it
     "max_steps": MAY_CHANGE,
+    "max_epochs": MAY_CHANGE,  # unchanged, the recorded max_steps is kept; changed, re-resolved
     "batch_size": FIXED,  # the data position and the loss normalisation are per batch
     "micro_batch_size": MAY_CHANGE,  # accumulation gives the same update
     "seq_len": FIXED,  # the packing of every row, and so the data position

@@ -202,7 +202,9 @@ class RunContext:
 
     def begin_(self, state: TrainState) -> None:
         """Begin the run at its start state: close its handles when the run ends, write
-        config.json and open the monitors (rank 0), start the profiler."""
+        config.json and open the monitors (rank 0), start the profiler. The state's config is
+        the run's from here on (it has max_epochs resolved to max_steps)."""
+        self.config = state.config
         config, runtime = self.config, self.runtime
         self.start_step = state.progress.step
         self.watch.doing = f"step {self.start_step + 1}"

@@ -9,6 +9,7 @@ step N forks there (`abandon_newer_`).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Union
 
@@ -61,12 +62,16 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
                 "loaded unverified",
                 flush=True,
             )
+    recorded = None
     if resume_step is None:
         refuse_stale_checkpoints(root)
         refuse_stale_rl_files(Path(config.output_dir))
     else:
+        recorded = read_saved_config(step_dir(root, resume_step))
+        config = with_recorded_steps(config, recorded)
         reconcile_with_checkpoint(config, step_dir(root, resume_step), runtime.is_main)
     state = init_state(config, runtime, announce=runtime.is_main)
+    state = with_resolved_epochs(state, recorded)
     if resume_step is not None:
         state = restore_(state, step_dir(root, resume_step))
     if runtime.is_main:
@@ -84,6 +89,38 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
         for line in start_summary_of(state):
             say(True, line)
     return state
+
+
+def keeps_recorded_steps(config: Config, recorded: Optional[dict]) -> bool:
+    """Whether a run counted in epochs resumes a checkpoint written with the same max_epochs:
+    it then keeps the step count that checkpoint recorded, so the schedule and the last step
+    are the ones the run started with."""
+    return (
+        config.max_epochs > 0
+        and recorded is not None
+        and recorded.get("max_epochs") == config.max_epochs
+        and isinstance(recorded.get("max_steps"), int)
+    )
+
+
+def with_recorded_steps(config: Config, recorded: Optional[dict]) -> Config:
+    """`config` with the checkpoint's recorded max_steps when it keeps them
+    (`keeps_recorded_steps`); else `config`, and a run with max_epochs resolves them again
+    from its data (`with_resolved_epochs`)."""
+    if keeps_recorded_steps(config, recorded):
+        return dataclasses.replace(config, max_steps=recorded["max_steps"])
+    return config
+
+
+def with_resolved_epochs(state: TrainState, recorded: Optional[dict]) -> TrainState:
+    """The state whose config's max_steps is the step count of max_epochs passes over its
+    data (fnt.data.packing.steps_for_epochs), unless max_epochs is off or a resume keeps the
+    recorded count. The resolved count is what config.json and every checkpoint record."""
+    config = state.config
+    if config.max_epochs == 0 or keeps_recorded_steps(config, recorded):
+        return state
+    steps = state.handles.components()["data"].steps_for_epochs(config.max_epochs)
+    return dataclasses.replace(state, config=dataclasses.replace(config, max_steps=steps))
 
 
 def start_summary_of(state: TrainState) -> list[str]:
@@ -126,6 +163,7 @@ def start_summary_of(state: TrainState) -> list[str]:
         trainable=trainable,
         start_step=state.progress.step,
         max_steps=config.max_steps,
+        max_epochs=config.max_epochs,
         tokens_per_step=config.batch_size * config.seq_len,
         sources=sources,
     )

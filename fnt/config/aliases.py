@@ -13,8 +13,8 @@ ALIASES: dict[str, tuple[str | None, str]] = {
     # alias (the last part of the key a user wrote): (fnt's key or None, how fnt differs)
     "learning_rate": ("optim.lr", ""),
     "lr": ("optim.lr", ""),
-    "num_train_epochs": ("max_steps", "fnt counts optimizer steps"),
-    "epochs": ("max_steps", "fnt counts optimizer steps"),
+    "num_train_epochs": ("max_epochs", "resolved to a step count (max_steps) at the start"),
+    "epochs": ("max_epochs", "resolved to a step count (max_steps) at the start"),
     "per_device_train_batch_size": ("micro_batch_size", BATCH_NOTE),
     "train_batch_size": ("batch_size", BATCH_NOTE),
     "gradient_accumulation_steps": ("batch_size", BATCH_NOTE),

@@ -336,7 +336,27 @@ def load_config(argv: list[str], cls: type = Config) -> tuple[Any, CliArgs]:
         for k in [k for k in sources if k.startswith(key + ".")]:
             sources[k] = "command line"
     config = _build(cls, values, sources)
+    config = settle_steps_and_epochs(config, sources)
     return config, cli
+
+
+def settle_steps_and_epochs(config: Any, sources: dict[str, str]) -> Any:
+    """max_steps and max_epochs (> 0) both set the run's length. Given in one place (both in
+    the file, or both on the command line) they are a ConfigError; given in two, the command
+    line's wins over the file's, as for any key: `--max_steps N` turns the file's max_epochs
+    off, `--max_epochs E` overrides the file's max_steps."""
+    steps_from, epochs_from = sources.get("max_steps"), sources.get("max_epochs")
+    if not (getattr(config, "max_epochs", 0) > 0 and steps_from):
+        return config
+    if steps_from == epochs_from:
+        raise ConfigError(
+            f"'max_steps' = {config.max_steps} and 'max_epochs' = {config.max_epochs} "
+            f"({steps_from}) both set the run's length: give one (max_epochs is resolved to a "
+            "step count at the start)"
+        )
+    if steps_from == "command line":
+        return dataclasses.replace(config, max_epochs=0.0)
+    return config
 
 
 def from_json(cls: type, text: str) -> Any:

@@ -267,6 +267,8 @@ class Config:
     """Seed of the data order, synthetic data and sampling."""
     max_steps: int = 10
     """Optimizer steps to run; rows 1..max_steps are written."""
+    max_epochs: float = 0.0
+    """SFT, DPO: passes over the data to run instead of max_steps (resolved to steps); 0: off."""
     batch_size: int = 8
     """Rows of seq_len tokens per optimizer step, over all data-parallel ranks."""
     micro_batch_size: int = 4

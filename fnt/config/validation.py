@@ -34,6 +34,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             raise ConfigError(f"'{key}' = {_get(config, key)!r}: {message}")
 
     require(config.max_steps >= 1, "max_steps", "must be at least 1")
+    validate_epochs(config)
     require(config.batch_size >= 1, "batch_size", "must be at least 1")
     require(config.micro_batch_size >= 1, "micro_batch_size", "must be at least 1")
     require(config.seq_len >= 2, "seq_len", "must be at least 2")
@@ -122,6 +123,26 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
             engine.check(config.rollout)
     if isinstance(config, DPOConfig):
         validate_preference(config)
+
+
+def validate_epochs(config: Config) -> None:
+    """ConfigError unless max_epochs is off, or a finite count of passes over data this run
+    has and counts in epochs (SFT and DPO on data.sources). Pure."""
+    epochs = config.max_epochs
+    if epochs == 0:
+        return
+    if not (math.isfinite(epochs) and epochs > 0):
+        raise ConfigError(f"'max_epochs' = {epochs!r}: must be a finite number > 0 (0: off)")
+    if isinstance(config, RLConfig):
+        raise ConfigError(
+            f"'max_epochs' = {epochs!r}: an RL run draws prompts endlessly and counts steps: "
+            "use max_steps"
+        )
+    if config.data.kind != "sources":
+        raise ConfigError(
+            f"'max_epochs' = {epochs!r}: data.kind = {config.data.kind!r} is endless; epochs "
+            'count passes over data.sources (data.kind = "sources"): use max_steps'
+        )
 
 
 def validate_lora(config: Config) -> None:

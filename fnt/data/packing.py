@@ -8,7 +8,9 @@ sample starts the next step). Dropped samples are consumed and counted but not p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Sequence
 
 import torch
@@ -72,6 +74,32 @@ def plan_step(
             row, filled = [], 0
         row.append(sample_id)
         filled += length
+
+
+def steps_for_epochs(
+    order: SampleOrder,
+    sample_length: Callable[[int], int],
+    epochs: float,
+    *,
+    seq_len: int,
+    batch_size: int,
+) -> int:
+    """The optimizer steps a fresh run takes to consume `epochs` passes over the data: the first
+    step whose data position afterwards is at least epochs x epoch_length samples from the start
+    (a fractional pass rounds up to whole samples, and to the step that reaches them). Pure.
+
+    The steps are planned exactly as training plans them (`plan_step`), so a run stopping at
+    the result has consumed every sample of those epochs, and no step more than it needs."""
+    if not (math.isfinite(epochs) and epochs > 0):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs}")
+    target = math.ceil(Fraction(epochs) * order.epoch_length)
+    position, steps = DataPosition(), 0
+    while position.epoch * order.epoch_length + position.cursor < target:
+        position = plan_step(
+            order, position, sample_length, seq_len=seq_len, batch_size=batch_size
+        ).data_after
+        steps += 1
+    return steps
 
 
 def require_a_drawable_sample(order: SampleOrder, sample_length: Callable[[int], int]) -> None:

@@ -57,7 +57,7 @@ from fnt.data.load import (
     source_label,
 )
 from fnt.data.order import SampleOrder
-from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
+from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics, steps_for_epochs
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.errors import DataError
 from fnt.model.tokenizer import pad_token_id
@@ -408,6 +408,16 @@ class PairData(Stateless):
             self.order,
             progress.data,
             self.corpus.length,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+        )
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """The steps that make `epochs` passes over the data from the start (max_epochs)."""
+        return steps_for_epochs(
+            self.order,
+            self.corpus.length,
+            epochs,
             seq_len=self.seq_len,
             batch_size=self.batch_size,
         )

@@ -18,7 +18,7 @@ from fnt.data.chat import chat_masking
 from fnt.data.corpus import Corpus
 from fnt.data.load import DataSource, load_corpus, sample_origin
 from fnt.data.order import SampleOrder
-from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics
+from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics, steps_for_epochs
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.model.tokenizer import pad_token_id
 from fnt.state import Progress, Stateless
@@ -76,6 +76,16 @@ class SourceData(Stateless):
             self.order,
             progress.data,
             self.corpus.length,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+        )
+
+    def steps_for_epochs(self, epochs: float) -> int:
+        """The steps that make `epochs` passes over the data from the start (max_epochs)."""
+        return steps_for_epochs(
+            self.order,
+            self.corpus.length,
+            epochs,
             seq_len=self.seq_len,
             batch_size=self.batch_size,
         )

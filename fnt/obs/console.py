@@ -61,9 +61,11 @@ def start_summary(
     max_steps: int,
     tokens_per_step: int,
     sources: Sequence[Mapping[str, Any]] = (),
+    max_epochs: float = 0.0,
 ) -> list[str]:
     """The start-up summary: parameters, each data source's samples and tokens, the steps and
-    the epochs they make. `sources` are `{"name", "samples", "dropped", "tokens"}`. Pure."""
+    the epochs they make (with `max_epochs`, the steps it was resolved to). `sources` are
+    `{"name", "samples", "dropped", "tokens"}`. Pure."""
     lines = [f"parameters: {count_text(parameters)} ({count_text(trainable)} trainable)"]
     corpus_tokens = 0
     for source in sources:
@@ -75,7 +77,9 @@ def start_summary(
         )
     steps = max_steps - start_step
     epochs = ""
-    if corpus_tokens:
+    if max_epochs:
+        epochs = f", max_epochs {max_epochs:g} resolved to {max_steps} steps"
+    elif corpus_tokens:
         epochs = f", about {steps * tokens_per_step / corpus_tokens:.2g} epochs"
     start = f"from step {start_step}, " if start_step else ""
     lines.append(

@@ -23,7 +23,7 @@ def test_every_alias_names_a_key_fnt_has(alias):
         # The issue: these suggested optim.name, trace_steps, or nothing.
         ("optim.learning_rate", "did you mean 'optim.lr'?"),
         ("learning_rate", "did you mean 'optim.lr'?"),
-        ("num_train_epochs", "did you mean 'max_steps'? (fnt counts optimizer steps)"),
+        ("num_train_epochs", "did you mean 'max_epochs'? (resolved to a step count"),
         ("gradient_accumulation_steps", "did you mean 'batch_size'? (fnt counts batch_size as"),
         ("per_device_train_batch_size", "did you mean 'micro_batch_size'? (fnt counts"),
         ("warmup_steps", "did you mean 'schedule.warmup_steps'?"),
