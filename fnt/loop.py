@@ -21,7 +21,8 @@ from fnt.run_context import RunContext
 from fnt.sources import BatchSource
 from fnt.start import start_state
 from fnt.state import TrainState
-from fnt.store.rundir import ckpt_root, complete_steps, list_step_dirs, prune_steps_, step_name
+from fnt.store.best import best_text, prune_checkpoints_
+from fnt.store.rundir import ckpt_root, complete_steps, list_step_dirs, step_name
 
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
@@ -85,7 +86,7 @@ def run(
             started = time.perf_counter()
         if ctx.runtime.is_main and rows.save_seconds:  # no row follows the last save
             print(f"saved step_{state.progress.step} in {rows.save_seconds:.2f} s", flush=True)
-        ctx.finish(newest_checkpoint(state))
+        ctx.finish(newest_checkpoint(state), best_text(config.output_dir, config.ckpt.keep_best))
         return state
 
 
@@ -103,7 +104,9 @@ def seconds_of(action: Callable[[TrainState], Any], state: TrainState) -> float:
 
 
 def save_and_prune_(state: TrainState) -> None:
-    """Save `state`'s checkpoint, then (rank 0) apply ckpt.keep_last."""
+    """Save `state`'s checkpoint, then (rank 0) apply ckpt.keep_last, keeping the best one
+    (ckpt.keep_best; its row is already on disk)."""
     save_state_(state)
     if state.handles.runtime.is_main:
-        prune_steps_(ckpt_root(state.config.output_dir), state.config.ckpt.keep_last)
+        ckpt = state.config.ckpt
+        prune_checkpoints_(state.config.output_dir, ckpt.keep_last, ckpt.keep_best)

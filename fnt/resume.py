@@ -134,6 +134,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "val.eval_on_start": MAY_CHANGE,
     "ckpt.interval": MAY_CHANGE,
     "ckpt.keep_last": MAY_CHANGE,
+    "ckpt.keep_best": MAY_CHANGE,  # the best is found again from the rows on disk
     "ckpt.save_final": MAY_CHANGE,
     "ckpt.verify": MAY_CHANGE,
     "parallel.dp_replicate": MAY_CHANGE,  # checkpoints reshard to any rank count

@@ -225,12 +225,12 @@ class RunContext:
             self.first_row = self.first_row or row
             self.last_row = row
 
-    def finish(self, checkpoint: Optional[str]) -> None:
+    def finish(self, checkpoint: Optional[str], best: Optional[str] = None) -> None:
         """Print the end summary (rank 0): the steps run, how the loss (and reward) went, the
-        newest checkpoint."""
+        newest checkpoint and the best one (ckpt.keep_best)."""
         if self.runtime.is_main:
             seconds = time.perf_counter() - self.started
-            print(end_summary(self.first_row, self.last_row, seconds, checkpoint), flush=True)
+            print(end_summary(self.first_row, self.last_row, seconds, checkpoint, best), flush=True)
 
     def preempted(self) -> bool:
         """Whether any rank has received a preemption signal (all ranks agree); the step has

@@ -22,6 +22,7 @@ from fnt.model.lora import base_fingerprint
 from fnt.obs.console import rl_summary, say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.state import TrainState
+from fnt.store.best import prune_checkpoints_
 from fnt.store.rundir import (
     CHECKSUMS_FILE,
     ROLLOUTS_DIR,
@@ -32,7 +33,6 @@ from fnt.store.rundir import (
     list_step_dirs,
     move_aside_,
     prune_abandoned_,
-    prune_steps_,
     run_steps,
     step_dir,
     step_name,
@@ -84,8 +84,8 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
             prune_abandoned_(directory)
         for line in drop_samples_after_(config.output_dir, state.progress.step):
             print(line, flush=True)
-        # Also finishes a keep_last delete that a kill interrupted.
-        prune_steps_(root, config.ckpt.keep_last)
+        # Also finishes a keep_last delete that a kill interrupted; the best checkpoint stays.
+        prune_checkpoints_(config.output_dir, config.ckpt.keep_last, config.ckpt.keep_best)
         for line in start_summary_of(state):
             say(True, line)
     return state

@@ -17,6 +17,9 @@ parses; until then it is left out, with a note. Any other line that is not a row
 - `num_tokens`, `num_samples`: the last row's `progress/num_tokens` and `progress/num_samples`;
 - `wall_time_s`: the last row's `time` minus the first row's, plus the first step's own
   `time/step` (a pause between a crash and its resume counts too);
+- `best_checkpoint`: `{"step", "key", "value", "mode"}` of the checkpoint that ckpt.keep_best
+  keeps (the lowest, or with "max:", the highest value of its key among the complete
+  checkpoints' rows), null when the run keeps none;
 - `checkpoints`: the steps of the complete checkpoints, ascending; `partial`: the `step_N.partial`
   directories (a save in progress, or one a crash cut short); `stray`: every other entry of
   checkpoints/, such as a `step_N` without its COMPLETE marker; resume ignores both kinds;
@@ -44,6 +47,7 @@ from typing import Any, Collection, Optional, Union
 
 from fnt.config import flatten
 from fnt.errors import DataError
+from fnt.store.best import Best, best_step
 from fnt.store.paths import require_dir
 from fnt.store.rundir import (
     CONFIG_FILE,
@@ -251,6 +255,7 @@ def summary(view: RunView) -> dict[str, Any]:
         "num_samples": _count(last.get("progress/num_samples")),
         "wall_time_s": wall_time(view.rows),
         **kinds,
+        "best_checkpoint": best_of(config.get("ckpt.keep_best"), view.rows, kinds["checkpoints"]),
         "rows_beyond_checkpoint": (
             {"first": beyond[0], "last": beyond[-1], "checkpoint": newest} if beyond else None
         ),
@@ -258,6 +263,15 @@ def summary(view: RunView) -> dict[str, Any]:
         "wandb_run_id": view.wandb_run_id,
         "notes": notes(view),
     }
+
+
+def best_of(keep_best: Any, rows: list[dict], checkpoints: list[int]) -> Optional[dict]:
+    """The best checkpoint under the run's ckpt.keep_best (fnt.store.best), as a dict; None
+    when the run keeps no best or no checkpoint's row has the key. Pure."""
+    if not isinstance(keep_best, str) or not keep_best:
+        return None
+    best = best_step({row["step"]: row for row in rows}, checkpoints, keep_best)
+    return None if best is None else best.as_dict()
 
 
 def _count(value: Any) -> Any:
@@ -287,6 +301,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"wall time    {_duration(s['wall_time_s'])}",
         "checkpoints  " + (", ".join(map(step_name, s["checkpoints"])) or "none"),
     ]
+    best = s["best_checkpoint"]
+    if best:
+        lines.append("best         " + Best(**best).text() + " (ckpt.keep_best; never pruned)")
     if s["partial"]:
         lines.append(f"partial      {', '.join(s['partial'])} (incomplete; resume ignores these)")
     if s["stray"]:

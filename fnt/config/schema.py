@@ -197,6 +197,8 @@ class CkptConfig:
     """Save a checkpoint every this many steps; 0 saves only the final step."""
     keep_last: int = 0
     """Keep only this many newest checkpoints; 0 keeps all."""
+    keep_best: str = ""
+    """Also keep the checkpoint with the lowest value of this row key ("max:KEY": the highest)."""
     save_final: bool = True
     """Save the state after the last step."""
     verify: bool = True
@@ -589,6 +591,19 @@ def markdown_keys(*classes: type) -> str:
             kind = type_name(tp).replace("|", "\\|")
             lines.append(f"| `{key}` | {kind} | `{json.dumps(defaults.get(key))}` | {doc} |")
     return "\n".join(lines)
+
+
+BEST_MODES = ("min", "max")
+"""The prefixes of ckpt.keep_best: "min:KEY" (the default, as for a loss) or "max:KEY"."""
+
+
+def keep_best_rule(keep_best: str) -> tuple[str, str]:
+    """`(row key, "min" or "max")` of a ckpt.keep_best value: "val/loss" -> ("val/loss", "min"),
+    "max:val/reward/mean" -> ("val/reward/mean", "max"). Pure; the key may be empty."""
+    mode, colon, key = keep_best.partition(":")
+    if colon and mode in BEST_MODES:
+        return key, mode
+    return keep_best, "min"
 
 
 # What a data source's path is, by its form (fnt.data.load reads each kind).

@@ -20,6 +20,7 @@ from fnt.config.schema import (
     DPOConfig,
     RLConfig,
     RolloutConfig,
+    keep_best_rule,
     repeated_source_names,
     source_name,
 )
@@ -67,6 +68,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     )
     require(config.ckpt.interval >= 0, "ckpt.interval", "must be >= 0 (0 = final step only)")
     require(config.ckpt.keep_last >= 0, "ckpt.keep_last", "must be >= 0 (0 = keep all)")
+    validate_keep_best(config)
     require(config.runtime.num_threads >= 0, "runtime.num_threads", "must be >= 0 (0 = auto)")
     require(config.runtime.dist_timeout_s > 0, "runtime.dist_timeout_s", "must be > 0")
     require(config.runtime.peak_tflops >= 0, "runtime.peak_tflops", "must be >= 0 (0 = auto)")
@@ -142,6 +144,37 @@ def validate_epochs(config: Config) -> None:
         raise ConfigError(
             f"'max_epochs' = {epochs!r}: data.kind = {config.data.kind!r} is endless; epochs "
             'count passes over data.sources (data.kind = "sources"): use max_steps'
+        )
+
+
+def validate_keep_best(config: Config) -> None:
+    """ConfigError unless ckpt.keep_best is off, or names a row key and the checkpoints it
+    chooses among have it: more than the final one (ckpt.interval > 0), and for a val/ key,
+    saved at steps that are evaluated (a multiple of val.interval). Pure."""
+    ckpt, val = config.ckpt, config.val
+    if not ckpt.keep_best:
+        return
+    key, mode = keep_best_rule(ckpt.keep_best)
+    where = f"'ckpt.keep_best' = {ckpt.keep_best!r}"
+    if not key or ":" in key:
+        raise ConfigError(
+            f'{where}: expected a row key, "min:KEY" or "max:KEY" (e.g. "val/loss" or '
+            '"max:val/reward/mean")'
+        )
+    if ckpt.interval == 0:
+        raise ConfigError(
+            f"{where}: ckpt.interval = 0 saves only the final step, so there is no best to "
+            "choose: set ckpt.interval"
+        )
+    if key.startswith("val/") and val.interval == 0:
+        raise ConfigError(
+            f"{where}: val.interval = 0, so no step's row has {key}: set val.interval (and "
+            "make ckpt.interval a multiple of it)"
+        )
+    if key.startswith("val/") and ckpt.interval % val.interval:
+        raise ConfigError(
+            f"{where}: only evaluated steps have {key}, but ckpt.interval = {ckpt.interval} is "
+            f"not a multiple of val.interval = {val.interval}: make it one"
         )
 
 

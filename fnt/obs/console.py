@@ -175,8 +175,10 @@ def end_summary(
     last: Optional[Mapping[str, Any]],
     seconds: float,
     checkpoint: Optional[str],
+    best: Optional[str] = None,
 ) -> str:
-    """`done: steps 1..20 in 12.3 s | loss 5.56 -> 3.01 | checkpoint step_20`. Pure."""
+    """`done: steps 1..20 in 12.3 s | loss 5.56 -> 3.01 | checkpoint step_20 | best step_8
+    (val/loss 2.87, lowest)`; `best` is the best checkpoint's text (ckpt.keep_best). Pure."""
     if first is None or last is None:
         return f"done: no step to run ({seconds:.1f} s)"
     parts = [f"done: steps {first['step']}..{last['step']} in {seconds:.1f} s"]
@@ -186,6 +188,8 @@ def end_summary(
             parts.append(f"{label} {a:.4g} -> {b:.4g}")
     if checkpoint:
         parts.append(f"checkpoint {checkpoint}")
+    if best:
+        parts.append(f"best {best}")
     return " | ".join(parts)
 
 

@@ -208,17 +208,18 @@ def abandoned_names(entries: Iterable[tuple[str, bool]], start_step: int) -> lis
     )
 
 
-def steps_to_delete(steps: list[int], keep_last: int) -> list[int]:
-    """Complete steps beyond the newest `keep_last` (0 keeps all); never the newest one. Pure."""
+def steps_to_delete(steps: list[int], keep_last: int, keep: Collection[int] = ()) -> list[int]:
+    """Complete steps beyond the newest `keep_last` (0 keeps all), except those in `keep` (the
+    best checkpoint); never the newest one. Pure."""
     if keep_last <= 0:
         return []
     ordered = sorted(steps)
-    return ordered[: max(0, len(ordered) - keep_last)]
+    return [step for step in ordered[: max(0, len(ordered) - keep_last)] if step not in keep]
 
 
-def prune_steps_(root: PathLike, keep_last: int) -> list[int]:
-    """Delete the complete step directories beyond the newest `keep_last`, and `step_N`
-    directories without the marker; returns the deleted steps.
+def prune_steps_(root: PathLike, keep_last: int, keep: Collection[int] = ()) -> list[int]:
+    """Delete the complete step directories beyond the newest `keep_last` but those in `keep`,
+    and `step_N` directories without the marker; returns the deleted steps.
 
     Only a delete leaves a `step_N` without its marker (the marker goes first, so a crash
     mid-delete leaves a directory that readers ignore); removing those finishes the delete.
@@ -230,7 +231,7 @@ def prune_steps_(root: PathLike, keep_last: int) -> list[int]:
         for name, has_marker in entries
         if not has_marker and (step := step_of(name)) is not None and step_dir(root, step).is_dir()
     ]
-    doomed = steps_to_delete(complete_steps(entries), keep_last)
+    doomed = steps_to_delete(complete_steps(entries), keep_last, keep)
     for step in doomed:
         path = step_dir(root, step)
         (path / COMPLETE_MARKER).unlink()
