@@ -19,7 +19,7 @@ from fnt.config import Config, ConfigError, to_plain
 from fnt.dist.runtime import Runtime
 from fnt.errors import CheckpointError
 from fnt.model.lora import base_fingerprint
-from fnt.obs.console import rl_summary, say, start_summary
+from fnt.obs.console import ranks_text, rl_summary, say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.state import TrainState
 from fnt.store.best import prune_checkpoints_
@@ -124,24 +124,30 @@ def with_resolved_epochs(state: TrainState, recorded: Optional[dict]) -> TrainSt
 
 
 def start_summary_of(state: TrainState) -> list[str]:
-    """fnt.obs.console.start_summary of a start state: its model's parameters, its data sources'
-    samples and tokens (for `data.sources`), its steps; an RL run's is `rl_summary` (its
-    engine, prompts, group size, reward, async_level)."""
-    config, model = state.config, state.handles.model
+    """fnt.obs.console.start_summary of a start state: its ranks (`ranks_text`), its model's
+    parameters, its data sources' samples and tokens (for `data.sources`), its steps; an RL
+    run's is its ranks and `rl_summary` (its engine, prompts, group size, reward, async_level)."""
+    config, model, runtime = state.config, state.handles.model, state.handles.runtime
+    ranks = ranks_text(
+        runtime.world_size, runtime.dims.dp_replicate, runtime.dims.dp_shard, runtime.device.type
+    )
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rollout = getattr(config, "rollout", None)
     if rollout is not None:
         prompts = getattr(state.handles.rollouts, "prompts", None)
-        return rl_summary(
-            model=config.model.name,
-            parameters=parameters,
-            trainable=trainable,
-            start_step=state.progress.step,
-            max_steps=config.max_steps,
-            rollout=rollout,
-            prompts=None if prompts is None else len(prompts),
-        )
+        return [
+            ranks,
+            *rl_summary(
+                model=config.model.name,
+                parameters=parameters,
+                trainable=trainable,
+                start_step=state.progress.step,
+                max_steps=config.max_steps,
+                rollout=rollout,
+                prompts=None if prompts is None else len(prompts),
+            ),
+        ]
     data = state.handles.components().get("data")
     corpus = getattr(data, "corpus", None)
     sources = []
@@ -164,6 +170,7 @@ def start_summary_of(state: TrainState) -> list[str]:
         start_step=state.progress.step,
         max_steps=config.max_steps,
         max_epochs=config.max_epochs,
+        ranks=ranks,
         tokens_per_step=config.batch_size * config.seq_len,
         sources=sources,
     )

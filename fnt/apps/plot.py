@@ -5,10 +5,12 @@ plot may replace it and nothing else: fnt.store.paths.check_output_file); `main`
 directories (through `fnt.apps.inspect.read_run`) and prints. `series`, `smooth` and
 `panel_keys` are pure.
 
-One panel per metric key, step on the x axis, one line per run, labelled with the run
-directory's name and drawn in the same colour in every panel; a validation key is drawn dashed
-in the panel of the training key it mirrors (val/loss with loss/mean), and by default a key
-whose value never changes gets no panel. A null value (how metrics.jsonl
+One panel per metric key (its unit in the title: UNITS), step on the x axis, one line per run,
+labelled with the run directory's name and drawn in the same colour and dash in every panel (so
+runs with equal values still show each other); a validation key has a marker at each
+evaluation, from the start state's (val.eval_on_start, at its step) on, and is drawn in the
+panel of the training key it mirrors (val/loss with loss/mean); by default a key whose value
+never changes gets no panel. A null value (how metrics.jsonl
 writes NaN) is a gap in the line, never a zero; a row without the key is skipped, so a metric
 logged every few steps is still one line. matplotlib is an optional extra
 (`pip install 'fnt[plot]'`), imported only to draw, and drawn on the Agg canvas, so no display
@@ -37,10 +39,49 @@ DPI = 80
 MAX_COLUMNS = 2
 
 
+VAL_PREFIX, START_PREFIX = "val/", "val/start/"
+
+
 def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[Any]]:
-    """The steps and values of `key` over the rows that have it; a null stays None. Pure."""
-    kept = [row for row in rows if key in row]
-    return [row["step"] for row in kept], [row[key] for row in kept]
+    """The steps and values of `key` over the rows that have it; a null stays None. Pure.
+
+    A validation key `val/K` also gets the start state's evaluation (val.eval_on_start), which
+    a run's first row (and a resumed run's first row) holds as `val/start/K`: it is the value
+    at the step before that row, step 0 for a fresh run."""
+    points = [(row["step"], row[key]) for row in rows if key in row]
+    if key.startswith(VAL_PREFIX) and not key.startswith(START_PREFIX):
+        start_key = START_PREFIX + key[len(VAL_PREFIX) :]
+        points += [(row["step"] - 1, row[start_key]) for row in rows if start_key in row]
+        points.sort(key=lambda point: point[0])  # stable: a step's own value after its start
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def is_start_key(key: str, keys: Collection[str]) -> bool:
+    """Whether `key` is `val/start/K` while `val/K` is among `keys`: it is drawn at the start of
+    that key's line (`series`), so it needs no panel of its own. Pure."""
+    return key.startswith(START_PREFIX) and VAL_PREFIX + key[len(START_PREFIX) :] in keys
+
+
+# Units of the keys that have one, shown in their panel's title.
+UNITS = {
+    "perf/throughput": "tokens/s",
+    "perf/throughput_per_rank": "tokens/s",
+    "perf/peak_memory": "GiB",
+    "time/step": "s",
+    "time/forward_backward": "s",
+    "time/val": "s",
+    "time/save_ckpt": "s",
+}
+
+# Run i's lines are drawn in colour Ci and RUN_STYLES[i % 4], so runs with the same values
+# still show each other through the gaps of the dashes; validation keys get markers.
+RUN_STYLES = ("-", "--", "-.", ":")
+VAL_MARKER = "o"
+
+
+def key_label(key: str) -> str:
+    """`perf/throughput (tokens/s)`: the key and its unit, if it has one. Pure."""
+    return f"{key} ({UNITS[key]})" if key in UNITS else key
 
 
 def smooth(values: Sequence[Optional[float]], n: int) -> list[Optional[float]]:
@@ -83,7 +124,11 @@ def panel_keys(runs: Sequence[RunView], asked: Optional[Sequence[str]]) -> list[
     present = {key for run in runs for row in run.rows for key in row}
     listing = ", ".join(sorted(present - {"step", "time"})) or "none"
     if asked is None:
-        keys = [key for key in default_keys(present) if not is_constant(runs, key)]
+        keys = [
+            key
+            for key in default_keys(present)
+            if not is_constant(runs, key) and not is_start_key(key, present)
+        ]
         if not keys:
             raise DataError(
                 f"no run has any of the default keys with changing values; --keys takes: {listing}"
@@ -103,8 +148,10 @@ def plot_runs(
     smooth_rows: int = 1,
     log_keys: Collection[str] = (),
 ) -> Any:
-    """Write the PNG: a panel per key (a validation key in its training key's panel, dashed:
-    `panels`), a line per run; returns the matplotlib Figure."""
+    """Write the PNG: a panel per key (a validation key in its training key's panel: `panels`),
+    a line per run in its own colour and dash (RUN_STYLES), validation keys with a marker at
+    each evaluation (the start state's at its step, `series`), units in the titles (UNITS);
+    returns the matplotlib Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -119,18 +166,28 @@ def plot_runs(
     handles = {}
     for index, group in enumerate(groups):
         axes = figure.add_subplot(rows, columns, index + 1)
-        for style, key in zip(("-", "--"), group):
+        for key in group:
+            validation = key.startswith(VAL_PREFIX)
             for number, run in enumerate(runs):
                 steps, values = series(run.rows, key)
                 if not steps:
                     continue
                 # NaN is where matplotlib breaks a line.
                 y = [math.nan if v is None else v for v in smooth(values, smooth_rows)]
-                (line,) = axes.plot(steps, y, style, color=f"C{number}", linewidth=1.5)
-                if style == "-":
+                (line,) = axes.plot(
+                    steps,
+                    y,
+                    linestyle=RUN_STYLES[number % len(RUN_STYLES)],
+                    color=f"C{number}",
+                    linewidth=1.0 if validation and len(group) > 1 else 1.5,
+                    marker=VAL_MARKER if validation else None,
+                    markersize=4,
+                )
+                if key == group[0]:
                     handles.setdefault(number, line)
         title = " and ".join(
-            f"{key} (dashed)" if style == "--" else key for style, key in zip(("-", "--"), group)
+            f"{key_label(key)} (markers)" if index else key_label(key)
+            for index, key in enumerate(group)
         )
         axes.set_title(
             title if smooth_rows == 1 else f"{title}, mean of {smooth_rows} rows", fontsize=10

@@ -62,11 +62,14 @@ def start_summary(
     tokens_per_step: int,
     sources: Sequence[Mapping[str, Any]] = (),
     max_epochs: float = 0.0,
+    ranks: str = "",
 ) -> list[str]:
     """The start-up summary: parameters, each data source's samples and tokens, the steps and
-    the epochs they make (with `max_epochs`, the steps it was resolved to). `sources` are
-    `{"name", "samples", "dropped", "tokens"}`. Pure."""
-    lines = [f"parameters: {count_text(parameters)} ({count_text(trainable)} trainable)"]
+    the epochs they make (with `max_epochs`, the steps it was resolved to); `ranks`, when
+    given, is the `ranks_text` line. `sources` are `{"name", "samples", "dropped", "tokens"}`.
+    Pure."""
+    lines = [ranks] if ranks else []
+    lines.append(f"parameters: {count_text(parameters)} ({count_text(trainable)} trainable)")
     corpus_tokens = 0
     for source in sources:
         corpus_tokens += source["tokens"]
@@ -166,6 +169,17 @@ def sample_lines(step: int, records: Sequence[Mapping[str, Any]], where: str) ->
     return lines
 
 
+def ranks_text(world_size: int, dp_replicate: int, dp_shard: int, device: str) -> str:
+    """`ranks: 2 on cpu (data-parallel 2: 1 replica x 2 shards)`, so a torchrun launch says how
+    many processes train. Pure."""
+    layout = (
+        f"data-parallel {dp_replicate * dp_shard}: {dp_replicate} "
+        f"{'replica' if dp_replicate == 1 else 'replicas'} x {dp_shard} "
+        f"{'shard' if dp_shard == 1 else 'shards'}"
+    )
+    return f"ranks: {world_size} on {device} ({layout})"
+
+
 # The metrics the end summary follows from the first row to the last.
 SUMMARY_KEYS = (("loss/mean", "loss"), ("reward/mean", "reward"), ("val/loss", "val/loss"))
 
@@ -246,6 +260,9 @@ CONSOLE_FIELDS = (
     ("optim/lr", "lr", ".2e"),
     ("val/loss", "val/loss", ".4f"),
     ("val/reward/mean", "val/reward", ".3f"),
+    # val.eval_on_start: the start state's, in the first row.
+    ("val/start/loss", "val/start/loss", ".4f"),
+    ("val/start/reward/mean", "val/start/reward", ".3f"),
 )
 
 

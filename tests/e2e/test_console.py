@@ -15,18 +15,22 @@ import sys
 import termios
 from pathlib import Path
 
-from tests.e2e.helpers import REPO, config_args, run_cli
+import pytest
+
+from tests.e2e.helpers import REPO, TORCHRUN, config_args, run_cli
 
 PHASES = ("reading the data", "loading the model", "building the optimizer")
 
 
-def run_in_a_terminal(args: list[str], timeout: float = 180) -> str:
-    """`python -m fnt ARGS` with stdout and stderr on a pseudo-terminal; everything it printed."""
+def run_in_a_terminal(args: list[str], timeout: float = 180, nproc: int = 0) -> str:
+    """`python -m fnt ARGS` (under torchrun with `nproc` ranks when nproc > 0) with stdout and
+    stderr on a pseudo-terminal; everything it printed."""
     leader, follower = pty.openpty()
     # A terminal of 40 x 120 characters (a new pseudo-terminal is 0 x 0, where a bar is empty).
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     child = subprocess.Popen(
-        [sys.executable, "-m", "fnt", *args],
+        [*([*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]), "-m"]
+        + ["fnt", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         stdin=subprocess.DEVNULL,
@@ -87,12 +91,29 @@ def test_an_sft_run_on_a_terminal_shows_phases_a_bar_summaries_and_grad_norm(
     data = write_chats(tmp_path / "train.jsonl")
     args = config_args("examples/debug/sft.toml", tiny_model_dir, tmp_path / "run")
     extra = ("--max-steps", "2", "--val.sources", json.dumps([{"path": str(data)}]))
-    text = run_in_a_terminal(["sft", *args, *sources_args(data), *extra, "--val.interval", "1"])
+    val = ("--val.interval", "1", "--val.eval-on-start")
+    text = run_in_a_terminal(["sft", *args, *sources_args(data), *extra, *val])
     lines = lines_of(text)
     assert "\r" in text and "records/s" in text  # tqdm's bar, redrawn in place
     assert any("data train: 40 samples" in line for line in lines), lines
+    assert any(
+        line.endswith("] ranks: 1 on cpu (data-parallel 1: 1 replica x 1 shard)") for line in lines
+    ), lines
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 2 and all(" | grad " in s and " | val/loss " in s for s in steps), steps
+    # val.eval_on_start: the start state's loss, in the first step's line only.
+    assert " | val/start/loss " in steps[0] and "val/start" not in steps[1], steps
+    assert_start_and_end(lines, 2)
+
+
+@pytest.mark.slow
+def test_a_torchrun_run_on_a_terminal_says_how_many_ranks_train(tiny_model_dir, tmp_path):
+    args = config_args("examples/debug/sft.toml", tiny_model_dir, tmp_path / "run")
+    lines = lines_of(run_in_a_terminal(["sft", *args, "--max-steps", "2"], nproc=2))
+    ranks = [line for line in lines if "] ranks: " in line]
+    assert len(ranks) == 1 and ranks[0].endswith(
+        "ranks: 2 on cpu (data-parallel 2: 1 replica x 2 shards)"
+    ), lines
     assert_start_and_end(lines, 2)
 
 

@@ -76,14 +76,14 @@ def test_plot_runs_returns_its_figure_with_the_panels_asked_for(two_runs, tmp_pa
     )
 
     axes = figure.axes
-    assert [a.get_title() for a in axes] == ["loss/mean and val/loss (dashed)", "optim/lr"]
+    assert [a.get_title() for a in axes] == ["loss/mean and val/loss (markers)", "optim/lr"]
     assert [a.get_yscale() for a in axes] == ["linear", "log"]
     assert [len(a.get_lines()) for a in axes] == [3, 2]  # only run_b has val/loss
     assert [t.get_text() for t in figure.legends[0].get_texts()] == ["run_a", "run_b"]
     loss_a = axes[0].get_lines()[0].get_ydata()
     assert np.isnan(loss_a[6:8]).all() and not np.isnan(loss_a[:6]).any()  # nulls are gaps
     val = axes[0].get_lines()[2]
-    assert val.get_linestyle() == "--" and list(val.get_xdata()) == [10, 20, 30]
+    assert val.get_marker() == "o" and list(val.get_xdata()) == [10, 20, 30]
 
 
 def test_a_constant_key_gets_no_panel_by_default(two_runs, tmp_path):
@@ -165,3 +165,69 @@ def test_a_plot_replaces_its_own_png_and_another_file_only_with_force(two_runs, 
     main(["plot", str(two_runs[0]), "--out", str(other), "--force"])
     assert written_by_png(other) == "fnt plot"
     assert sorted(p.name for p in tmp_path.glob("*.png*")) == ["figure.png", "plot.png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a reader needs to see: validation points, the start state's, units, every run
+
+
+def rows_with_val(offset: float = 0.0) -> list[dict]:
+    """10 rows with val/loss every 5 steps and, as val.eval_on_start leaves it, val/start/loss
+    in the first row."""
+    rows = []
+    for step in range(1, 11):
+        row = {"step": step, "loss/mean": 4.0 - 0.2 * step + offset, "perf/throughput": 900.0}
+        row["perf/throughput"] += 10 * step
+        if step % 5 == 0:
+            row["val/loss"] = 4.5 - 0.2 * step + offset
+        rows.append(row)
+    rows[0]["val/start/loss"] = 4.6 + offset
+    return rows
+
+
+def test_validation_points_have_markers_from_the_start_states_at_step_0(tmp_path):
+    run = read_run(write_run(tmp_path / "run", 1e-3, rows_with_val()))
+    assert series(run.rows, "val/loss") == ([0, 5, 10], [4.6, 3.5, 2.5])
+    assert panel_keys([run], None) == ["loss/mean", "perf/throughput", "val/loss"]
+
+    figure = plot_runs([run], ["loss/mean", "val/loss"], tmp_path / "p.png")
+
+    loss, val = figure.axes[0].get_lines()
+    assert loss.get_marker() in ("None", None, "") and list(loss.get_xdata())[0] == 1
+    assert val.get_marker() == "o" and list(val.get_xdata()) == [0, 5, 10]
+
+
+def test_a_resumed_runs_start_evaluation_sits_at_the_checkpoints_step():
+    rows = [{"step": 7, "val/start/loss": 2.0}, {"step": 8, "val/loss": 1.9}]
+    assert series(rows, "val/loss") == ([6, 8], [2.0, 1.9])
+
+
+def test_throughput_is_titled_with_its_unit(tmp_path):
+    run = read_run(write_run(tmp_path / "run", 1e-3, rows_with_val()))
+    figure = plot_runs([run], ["perf/throughput", "loss/mean"], tmp_path / "p.png")
+    assert [a.get_title() for a in figure.axes] == ["perf/throughput (tokens/s)", "loss/mean"]
+
+
+def colour_pixels(path: Path, colour: tuple[int, int, int]) -> int:
+    """Pixels inked in `colour`, antialiased ones too: those whose difference from white points
+    the way the colour's does (cosine > 0.99) and is not faint."""
+    ink = 255 - (imread(path)[..., :3] * 255).reshape(-1, 3)
+    direction = 255 - np.array(colour, dtype=float)
+    norms = np.linalg.norm(ink, axis=1)
+    cosine = ink @ direction / (norms * np.linalg.norm(direction) + 1e-9)
+    return int(((cosine > 0.99) & (norms > 40)).sum())
+
+
+def test_two_runs_with_equal_values_do_not_hide_each_other(tmp_path):
+    runs = [read_run(write_run(tmp_path / name, 1e-3, rows_with_val())) for name in ("a", "b")]
+    alone, both = tmp_path / "alone.png", tmp_path / "both.png"
+    plot_runs(runs[:1], ["loss/mean"], alone)
+    figure = plot_runs(runs, ["loss/mean"], both)
+
+    first, second = figure.axes[0].get_lines()
+    assert first.get_color() != second.get_color()
+    assert first.get_linestyle() != second.get_linestyle()
+    # The first run's line still shows through the gaps of the second's dashes drawn over it
+    # (a quarter of its pixels; drawn alike, only its legend swatch, 5%, would).
+    assert colour_pixels(both, RUN_COLOURS[0]) > 0.15 * colour_pixels(alone, RUN_COLOURS[0])
+    assert colour_pixels(both, RUN_COLOURS[1]) > 100
