@@ -99,3 +99,18 @@ def test_dpo_max_epochs_counts_passes_over_the_pairs(tiny_model_dir, tmp_path):
     rows = read_metrics(out)
     assert_epochs_exact(rows, 1)
     assert f"max_epochs 1 resolved to {len(rows)} steps" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--max-steps", "5", "--max-epochs", "2"), "both set the run's length: give one"),
+        (("--max-epochs", "1"), "data.kind = 'synthetic' is endless"),
+        (("--ckpt.keep-best", "val/loss", "--ckpt.interval", "2"), "val.interval = 0, so no"),
+    ],
+)
+def test_a_bad_length_or_keep_best_exits_2_with_one_line(tmp_path, extra, message):
+    args = ("--config", "examples/debug/sft.toml", "--output-dir", str(tmp_path / "run"), *extra)
+    proc = run_cli("sft", *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
