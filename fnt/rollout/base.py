@@ -24,7 +24,7 @@ from fnt.dist.parallel import check_batch_layout
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
-from fnt.rollout.environments import environment_of
+from fnt.rollout.environments import SingleTurnEnvironment, environment_of
 from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
@@ -100,6 +100,10 @@ class PromptRollouts:
             std_normalize=rollout.std_normalize,
             prompts_path=where,
             name=name,
+        )
+        # Whether an episode may have a later turn (engines keep what continues it, if so).
+        self.multi_turn = rollout.max_turns > 1 and not isinstance(
+            self.environment, SingleTurnEnvironment
         )
 
     def step_prompts(self, position: DataPosition) -> tuple[list[int], DataPosition]:

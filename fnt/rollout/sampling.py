@@ -14,15 +14,25 @@ prompt's running rows (the exponential race, which samples from p exactly; it is
 torch.multinomial makes for one sample per row). A prompt's draws therefore do not depend on
 which other prompts share the batch, and neither do its samples, up to the last float bits in
 which a padded batched forward may differ from a forward of the prompt alone.
+
+Continuing a sequence (multi-turn episodes): with keep_caches, every completion carries the KV
+cache of its prompt and its tokens but the last one (`RowCache`, the padding taken out), and a
+later call given that cache for a prompt that extends those tokens feeds the model only the
+tokens after them. The cached rows are left-padded to the longest cached row and the new tokens
+to the longest new part, so a row's attention mask may have a hole of padding between its
+cached and its new tokens; the position ids continue each row's own count. Only caches whose
+layers all keep every token (transformers' DynamicLayer) are kept: a sliding-window layer drops
+old tokens, and such a model's completions carry no cache (the next call prefills everything).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Optional, Union
 
@@ -42,6 +52,19 @@ class Completion:
     """Per generated token, log-softmax(logits / temperature) at that token, computed in float32."""
     stopped: bool
     """True when the model emitted a stop token, False when max_new_tokens cut it off."""
+    cache: Optional["RowCache"] = field(default=None, compare=False, repr=False)
+    """With generate(keep_caches=True): the KV cache of the prompt and every generated token
+    but the last (which the model has not read yet), to continue from; else None."""
+
+
+@dataclass(frozen=True, eq=False)
+class RowCache:
+    """The KV cache of one sequence, without padding: per layer, keys and values [heads,
+    len(token_ids), head_dim] of the tokens `token_ids`, at positions 0 .. len - 1."""
+
+    token_ids: tuple[int, ...]
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
 
 
 def turn_seed(seed: int, step: int, slot: int, index: int, turn: int) -> int:
@@ -126,6 +149,48 @@ def exponential_race(
     return (logp.exp() / torch.cat(noise)).argmax(dim=-1)
 
 
+def cached_prefix(
+    caches: Sequence[Optional[RowCache]], config, device: torch.device
+) -> tuple[object, Tensor, Tensor]:
+    """The rows' caches left-padded to the longest into one DynamicCache, their attention mask
+    [P, C] (1 on cached tokens) and their lengths [P]; a None row is all padding."""
+    from transformers import DynamicCache
+
+    lengths = [0 if c is None else len(c.token_ids) for c in caches]
+    width = max(lengths)
+    mask = torch.zeros((len(caches), width), dtype=torch.int64)
+    for row, n in enumerate(lengths):
+        mask[row, width - n :] = 1
+    some = next(c for c in caches if c is not None)
+    kv_cache = DynamicCache(config=config)
+    for layer in range(len(some.keys)):
+        heads, _, dim = some.keys[layer].shape
+        keys = some.keys[layer].new_zeros((len(caches), heads, width, dim))
+        values = some.values[layer].new_zeros((len(caches), heads, width, dim))
+        for row, c in enumerate(caches):
+            if c is not None:
+                keys[row, :, width - lengths[row] :] = c.keys[layer]
+                values[row, :, width - lengths[row] :] = c.values[layer]
+        kv_cache.update(keys, values, layer)
+    return kv_cache, mask.to(device), torch.tensor(lengths, dtype=torch.int64, device=device)
+
+
+def keeps_every_token(kv_cache) -> bool:
+    """Whether every layer of the cache holds all tokens read (RowCache can be cut from it)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(kv_cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
+def row_cache(kv_cache, row: int, attention_row: Tensor) -> tuple[tuple, tuple]:
+    """The keys and values of batch row `row` of the cache at its real tokens (attention 1)."""
+    real = attention_row.bool()
+    keys = tuple(layer.keys[row][:, real] for layer in kv_cache.layers)
+    values = tuple(layer.values[row][:, real] for layer in kv_cache.layers)
+    return keys, values
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -137,6 +202,8 @@ def generate(
     temperature: float = 1.0,
     greedy: bool = False,
     generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+    caches: Optional[Sequence[Optional[RowCache]]] = None,
+    keep_caches: bool = False,
 ) -> list[list[Completion]]:
     """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens
     (one number for all, or one per prompt: a row that reaches its own limit leaves the batch).
@@ -145,6 +212,10 @@ def generate(
     the model's device; None, or a None entry, draws from torch's default generator); `greedy`
     takes the most likely token instead (and draws nothing). The recorded logprobs are
     log-softmax(logits / temperature) either way. Put the model in eval mode first.
+
+    `caches[i]` (a Completion's `cache` from an earlier call, or None) holds prompt i's first
+    tokens already read: only the tokens after them are fed. `keep_caches` gives every
+    completion its `cache` (module docstring).
     """
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
     if num_samples < 1 or len(limits) != len(prompts) or min(limits, default=1) < 1:
@@ -162,15 +233,35 @@ def generate(
         generators = [None] * len(prompts)
     if len(generators) != len(prompts):
         raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts")
+    if caches is None or all(c is None for c in caches):
+        caches = [None] * len(prompts)
+    elif len(caches) != len(prompts):
+        raise ValueError(f"{len(caches)} caches for {len(prompts)} prompts")
+    for i, (prompt, c) in enumerate(zip(prompts, caches)):
+        if c is not None and (
+            len(c.token_ids) >= len(prompt) or tuple(prompt[: len(c.token_ids)]) != c.token_ids
+        ):
+            raise ValueError(
+                f"the cache of prompt {i} is not of a proper prefix of it (its {len(c.token_ids)} "
+                f"tokens, the prompt's {len(prompt)})"
+            )
     from fnt.model.decode_cache import LayerCursorCache, decode_cache
 
     device = next(model.parameters()).device
     stops = torch.tensor(sorted(stop_token_ids), dtype=torch.int64, device=device)
     pad_id = int(stops[0])  # hidden by the attention mask, so any valid id will do
-    ids, attention, positions = left_padded(prompts, pad_id, device)
-    kv_cache = decode_cache(model, ids.shape[1] + max(limits))
+    if any(c is not None for c in caches):
+        kv_cache, cached, starts = cached_prefix(caches, model.config, device)
+        news = [p[0 if c is None else len(c.token_ids) :] for p, c in zip(prompts, caches)]
+        ids, attention, positions = left_padded(news, pad_id, device)
+        positions = positions + starts[:, None]
+        attention = torch.cat([cached, attention], dim=1)
+    else:
+        ids, attention, positions = left_padded(prompts, pad_id, device)
+        kv_cache = decode_cache(model, ids.shape[1] + max(limits))
     compiled = isinstance(kv_cache, LayerCursorCache)
     logits = _last_logits(model, ids, attention, positions, kv_cache)
+    keep_caches = keep_caches and keeps_every_token(kv_cache)
     kv_cache.batch_repeat_interleave(num_samples)
     logits = logits.repeat_interleave(num_samples, dim=0)
     attention = attention.repeat_interleave(num_samples, dim=0)
@@ -183,6 +274,7 @@ def generate(
     logprobs = torch.zeros((rows, longest), dtype=torch.float32, device=device)
     lengths = row_limits.clone()
     running = torch.arange(rows, device=device)  # which completion each batch row is
+    kept: dict[int, tuple[tuple, tuple]] = {}  # completion row -> its cache's keys and values
     for t in range(longest):
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if greedy:
@@ -194,6 +286,9 @@ def generate(
         stopped = torch.isin(chosen, stops)
         lengths[running[stopped]] = t + 1
         finished = stopped | (row_limits[running] <= t + 1)
+        if keep_caches:
+            for b in finished.nonzero().squeeze(-1).tolist():
+                kept[int(running[b])] = row_cache(kv_cache, b, attention[b])
         if t + 1 == longest or bool(finished.all()):
             break
         if bool(finished.any()):
@@ -210,4 +305,17 @@ def generate(
         Completion(tuple(ids[:n]), tuple(lps[:n]), stopped=ids[n - 1] in stop_set)
         for ids, lps, n in zip(tokens.tolist(), logprobs.tolist(), lengths.tolist())
     ]
+    if keep_caches:
+        completions = [
+            with_cache(c, tuple(prompts[row // num_samples]), *kept[row])
+            for row, c in enumerate(completions)
+        ]
     return [completions[i : i + num_samples] for i in range(0, rows, num_samples)]
+
+
+def with_cache(completion: Completion, prompt: tuple[int, ...], keys, values) -> Completion:
+    """`completion` carrying the cache of `prompt` and its tokens but the last."""
+    token_ids = prompt + completion.token_ids[:-1]
+    if keys[0].shape[1] != len(token_ids):  # the loop's bookkeeping, checked where it is cheap
+        raise RuntimeError(f"a cache of {keys[0].shape[1]} tokens for {len(token_ids)}")
+    return dataclasses.replace(completion, cache=RowCache(token_ids, keys, values))

@@ -14,7 +14,8 @@ One step's rollout, on every rank at the same point of the fold:
    each prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in
    the step), so a step's samples do not depend on the number of ranks and a resumed run draws
    exactly what an uninterrupted one would (fnt.rollout.sampling); with an environment that
-   answers, every later turn is one batched decode of the episodes still running (`ModelTurns`);
+   answers, every later turn is one batched decode of the episodes still running, which reads
+   only each episode's new tokens: its KV cache is kept from turn to turn (`ModelTurns`);
 4. each episode is scored by the environment (single-turn: rollout.reward of its completion),
    advantages are relative within the group;
 5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
@@ -26,6 +27,7 @@ their collectives getting out of step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -46,7 +48,7 @@ from fnt.rollout.base import (
     rollout_policy_step,
 )
 from fnt.rollout.pack import RolloutSample
-from fnt.rollout.sampling import generate, sampling_seed, turn_seed
+from fnt.rollout.sampling import Completion, RowCache, generate, sampling_seed, turn_seed
 from fnt.state import TrainState
 
 
@@ -82,13 +84,23 @@ class ModelTurns:
     prompt's generator, seeded by (seed, step, the prompt's slot in the step), exactly as a
     single-turn rollout; a later turn draws each episode's tokens from a generator of its own,
     seeded by (seed, step, slot, episode, turn). So the samples do not depend on the number of
-    ranks, on which other episodes are still running, or on whether the run was resumed."""
+    ranks, on which other episodes are still running, or on whether the run was resumed.
 
-    def __init__(self, engine: "InProcessEngine", model: nn.Module, step: int, lo: int) -> None:
+    With `keep_caches` (an environment that may answer), each episode's KV cache is kept from
+    one turn to the next, so a later turn reads only the episode's new tokens (its last sampled
+    token and the environment's reply) instead of the whole episode again; the caches of the
+    episodes a turn leaves out (they ended) are let go then.
+    """
+
+    def __init__(
+        self, engine: "InProcessEngine", model: nn.Module, step: int, lo: int, keep_caches: bool
+    ) -> None:
         self.engine, self.model, self.step, self.lo = engine, model, step, lo
         self.device = engine.runtime.device
+        self.keep_caches = keep_caches
+        self.caches: dict[tuple[int, int], RowCache] = {}  # (slot, episode) -> its cache
 
-    def _generate(self, prompts, num_samples, max_new_tokens, seeds):
+    def _generate(self, prompts, num_samples, max_new_tokens, seeds, caches=None):
         rollout = self.engine.config.rollout
         return generate(
             self.model,
@@ -98,19 +110,34 @@ class ModelTurns:
             stop_token_ids=self.engine.stop_token_ids,
             temperature=rollout.temperature,
             generators=[torch.Generator(device=self.device).manual_seed(s) for s in seeds],
+            caches=caches,
+            keep_caches=self.keep_caches,
         )
+
+    def _keep(self, completion: Completion, slot: int, index: int) -> Completion:
+        """The completion without its cache, which stays here for the episode's next turn."""
+        if completion.cache is not None:
+            self.caches[(slot, index)] = completion.cache
+        return dataclasses.replace(completion, cache=None)
 
     def first(self, prompts, num_samples, max_new_tokens):
         seed = self.engine.config.seed
         seeds = [sampling_seed(seed, self.step, self.lo + i) for i in range(len(prompts))]
-        return self._generate(prompts, num_samples, max_new_tokens, seeds)
+        groups = self._generate(prompts, num_samples, max_new_tokens, seeds)
+        return [
+            [self._keep(c, slot, index) for index, c in enumerate(group)]
+            for slot, group in enumerate(groups)
+        ]
 
     def next(self, contexts, max_new_tokens, keys):
         seed = self.engine.config.seed
         seeds = [
             turn_seed(seed, self.step, self.lo + slot, index, turn) for slot, index, turn in keys
         ]
-        return [group[0] for group in self._generate(contexts, 1, list(max_new_tokens), seeds)]
+        caches = [self.caches.get((slot, index)) for slot, index, _ in keys]
+        self.caches = {}
+        groups = self._generate(contexts, 1, list(max_new_tokens), seeds, caches)
+        return [self._keep(c, slot, index) for (c,), (slot, index, _) in zip(groups, keys)]
 
 
 class InProcessEngine(PromptRollouts):
@@ -160,7 +187,8 @@ class InProcessEngine(PromptRollouts):
             self.prompts[i]
             for i in rank_share(prompt_ids, dp_rank, dp_size, what="prompts per step")
         ]
-        samples, dropped = self.episodes(prompts, ModelTurns(self, model, step, lo), policy_step)
+        turns = ModelTurns(self, model, step, lo, keep_caches=self.multi_turn)
+        samples, dropped = self.episodes(prompts, turns, policy_step)
         return samples, dropped, after
 
     def state_dict(self) -> dict[str, Any]:

@@ -45,9 +45,7 @@ def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
         require_installed(kind, rollout.environment)
         factory = import_function(kind.build, 1)
     else:
-        factory = require_function(
-            rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE
-        )
+        factory = require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
     environment = factory(rollout)
     missing = [
         m for m in ("start", "respond", "score") if not callable(getattr(environment, m, None))

@@ -331,3 +331,48 @@ def test_the_tool_demos_sft_transcripts_are_the_episodes_its_environment_runs(to
     assert samples[0].reward == 1.0 and samples[0].turns == 2 and samples[0].tool_calls == 1
     [(guess, _)], samples, _, _ = episodes_of(environment, tokenizer, ["abef"], [record], **run)
     assert guess.turns == 1 and samples[0].reward == 0.0
+
+
+def test_later_turns_read_only_each_episodes_new_tokens(policy_dir, prompts_file, monkeypatch):
+    # The engine keeps each episode's KV cache across turns: a later turn's prefill is as wide as
+    # the longest new part (last sampled token + the environment's reply), not the episode. The
+    # episodes equal those of a full prefill every turn: the same tokens, logprobs within 1e-5.
+    config = rl_config(
+        policy_dir,
+        prompts_file,
+        environment="tests.fnt.rollout.multi_turn_env:feedback",
+        max_turns=3,
+        max_new_tokens=6,
+        temperature=0.7,
+    )
+    state = rl_state(dataclasses.replace(config, seq_len=256, batch_size=16))
+    engine = state.handles.rollouts
+    widths: list[int] = []
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    real = in_process.generate
+    prefills = []  # per later turn: (widest new part, the prefill's width, shortest context)
+
+    def watching(model, prompts, caches=None, **kwargs):
+        before = len(widths)
+        out = real(model, prompts, caches=caches, **kwargs)
+        if caches is not None:
+            new = max(len(p) - len(c.token_ids) for p, c in zip(prompts, caches))
+            prefills.append((new, widths[before], min(len(p) for p in prompts)))
+        return out
+
+    monkeypatch.setattr(in_process, "generate", watching)
+    cached = engine.rollout(state)
+    assert prefills and all(new == width < shortest for new, width, shortest in prefills)
+
+    def without_caches(model, prompts, caches=None, keep_caches=False, **kwargs):
+        return real(model, prompts, **kwargs)
+
+    monkeypatch.setattr(in_process, "generate", without_caches)
+    full = engine.rollout(state)
+    assert cached.metrics["rollout/turns/mean"] == full.metrics["rollout/turns/mean"] > 1
+    for a, b in zip(cached.micro_batches, full.micro_batches, strict=True):
+        assert torch.equal(a.rows.input_ids, b.rows.input_ids)
+        assert torch.equal(a.rows.loss_mask, b.rows.loss_mask)
+        torch.testing.assert_close(a.inference_logprobs, b.inference_logprobs, rtol=0, atol=1e-5)

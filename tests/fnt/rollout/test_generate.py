@@ -180,3 +180,76 @@ def test_every_stop_token_ends_a_completion(eval_model, tokenizer):
         greedy=True,
     )
     assert stopped.token_ids == completion.token_ids[:3] and stopped.stopped
+
+
+def fed_widths(model):
+    """A list that gets the width of every forward's input_ids, and the hook's handle."""
+    widths: list[int] = []
+
+    def record(module, args, kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+
+    return widths, model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_kept_cache_reads_only_the_new_tokens_and_samples_as_a_full_prefill(
+    eval_model, tokenizer, greedy
+):
+    # Three turns of episodes of different lengths: each later turn's context is the previous
+    # one, the sampled tokens and a reply. With the completions' caches only the tokens after
+    # them are read (the prefill is as wide as the longest new part), and the samples are the
+    # ones a prefill of the whole context draws from the same generators: the same tokens, the
+    # logprobs within 1e-5 (a forward over cached keys differs from a full one in the last bits).
+    reply = prompt(tokenizer, "again")
+    contexts = [prompt(tokenizer, t) for t in ("ab", "olleh", "falcon")]
+    kw = {"max_new_tokens": 8, "stop_token_ids": {EOS}, "temperature": 0.8, "greedy": greedy}
+
+    def generators(turn):
+        return [torch.Generator().manual_seed(sampling_seed(9, turn, i)) for i in range(6)]
+
+    first = generate(
+        eval_model, contexts, num_samples=2, generators=generators(1)[:3], keep_caches=True, **kw
+    )
+    completions = [c for group in first for c in group]
+    contexts = [p for p in contexts for _ in range(2)]
+    for turn in (2, 3):
+        contexts = [p + list(c.token_ids) + reply for p, c in zip(contexts, completions)]
+        caches = [c.cache for c in completions]
+        assert all(c.token_ids == tuple(p[: len(c.token_ids)]) for c, p in zip(caches, contexts))
+        widths, hook = fed_widths(eval_model)
+        try:
+            cached = generate(
+                eval_model,
+                contexts,
+                num_samples=1,
+                generators=generators(turn),
+                caches=caches,
+                keep_caches=True,
+                **kw,
+            )
+        finally:
+            hook.remove()
+        full = generate(eval_model, contexts, num_samples=1, generators=generators(turn), **kw)
+        new_parts = [len(p) - len(c.token_ids) for p, c in zip(contexts, caches)]
+        assert widths[0] == max(new_parts) == 1 + len(reply)  # the last sampled token + reply
+        assert widths[0] < min(len(p) for p in contexts)
+        assert [c.token_ids for (c,) in cached] == [c.token_ids for (c,) in full]
+        for (a,), (b,) in zip(cached, full):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5
+            )
+        completions = [c for (c,) in cached]
+    assert len({len(p) for p in contexts}) > 1  # the rows' caches had different lengths
+
+
+def test_a_cache_must_be_of_a_proper_prefix_of_its_prompt(eval_model, tokenizer):
+    ids = prompt(tokenizer, "kiwi")
+    kw = {"num_samples": 1, "max_new_tokens": 3, "stop_token_ids": {EOS}, "greedy": True}
+    ((done,),) = generate(eval_model, [ids], keep_caches=True, **kw)
+    assert done.cache is not None and done.cache.token_ids == tuple(ids) + done.token_ids[:-1]
+    with pytest.raises(ValueError, match="cache of prompt 0 is not of a proper prefix"):
+        other = (done.cache.token_ids[-1] + 1) % EOS  # another last token, then one more
+        generate(eval_model, [[*done.cache.token_ids[:-1], other, 7]], caches=[done.cache], **kw)
+    with pytest.raises(ValueError, match="cache of prompt 0 is not of a proper prefix"):
+        generate(eval_model, [list(done.cache.token_ids)], caches=[done.cache], **kw)
