@@ -185,9 +185,9 @@ def keeps_every_token(kv_cache) -> bool:
 
 def row_cache(kv_cache, row: int, attention_row: Tensor) -> tuple[tuple, tuple]:
     """The keys and values of batch row `row` of the cache at its real tokens (attention 1)."""
-    real = attention_row.bool()
-    keys = tuple(layer.keys[row][:, real] for layer in kv_cache.layers)
-    values = tuple(layer.values[row][:, real] for layer in kv_cache.layers)
+    real = attention_row.nonzero().squeeze(-1)  # found once for all layers (a device sync)
+    keys = tuple(layer.keys[row].index_select(1, real) for layer in kv_cache.layers)
+    values = tuple(layer.values[row].index_select(1, real) for layer in kv_cache.layers)
     return keys, values
 
 
