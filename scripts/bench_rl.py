@@ -38,9 +38,11 @@ episode), so this case starts from the demo's SFT result, trained here under --w
 (about a minute) unless --model names a model that ends its turns. It reports seconds per step,
 sampled tokens per step and sampled tokens per second of the whole step (rollout and update);
 the ratio is single-turn tokens/s over multi-turn tokens/s (target: at most 1.3). Measured
-2.06 on 2 shared CPU cores (README, "Running RL"): a later turn's generate prefills the whole
-episode so far again (no KV cache is kept across turns), and an episode's context (prompt,
-hints, template text) is trained with it, so a step processes several times the tokens.
+about 1.5 on 2 shared CPU cores (README, "Running RL"; 2.0 before episodes kept their KV cache
+across turns): the tiny model's decode is latency-bound, and three turns are three decode chains
+one after the other (about 27 forwards a step against 11 for one turn of as many sampled
+tokens), and an episode's context (prompt, hints, template text) is trained with it, so the
+update processes more tokens per sampled token.
 
 `--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile, the
 in-process engine's copy included: it decodes compiled) against fnt eager, step by step in turn:
