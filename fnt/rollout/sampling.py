@@ -177,8 +177,10 @@ def cached_prefix(
 
 def keeps_every_token(kv_cache) -> bool:
     """Whether every layer of the cache holds all tokens read (RowCache can be cut from it)."""
-    from transformers.cache_utils import DynamicLayer
-
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # a transformers whose caches have no layer objects: no row caches
+        return False
     layers = getattr(kv_cache, "layers", None)
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
