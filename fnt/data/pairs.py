@@ -56,12 +56,12 @@ from fnt.data.load import (
     sample_origin,
     source_label,
 )
-from fnt.data.order import SampleOrder
-from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics, steps_for_epochs
+from fnt.data.packing import StepPlan, pack_rows, step_metrics
+from fnt.data.sft import PlannedData, source_order
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.errors import DataError
 from fnt.model.tokenizer import pad_token_id
-from fnt.state import Progress, Stateless
+from fnt.state import Progress
 
 Message = Mapping[str, Any]
 SIDES = ("chosen", "rejected")
@@ -374,53 +374,17 @@ def pack_pairs(
 
 
 @dataclass(frozen=True)
-class PairData(Stateless):
-    """Tokenized pairs, their order and this rank's batch layout (a SampleSource whose batches
-    are PairBatches; Progress holds the data position)."""
+class PairData(PlannedData):
+    """DPO's data: tokenized pairs (a SampleSource whose batches are PairBatches); `sources`
+    are the pair sources the corpus was read from."""
 
     corpus: PairCorpus
-    order: SampleOrder
-    seq_len: int
-    batch_size: int
-    """Rows per step over all ranks."""
-    micro_batch_size: int
-    dp_rank: int
-    dp_size: int
-    pad_token_id: int
     reference: Optional[Tensor] = None
     """[num_pairs, 2] float32: every pair's reference logprobs (dpo.precompute_reference)."""
-    sources: tuple[DataSource, ...] = ()
-    """The pair sources the corpus was read from, in its order (for `locate`)."""
-
-    def __post_init__(self) -> None:
-        check_batch_layout(
-            self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
-        )
 
     def batch(self, progress: Progress) -> PairBatch:
         """This rank's batch of the update after `progress`."""
         return self.rank_batch(self.plan(progress))
-
-    def plan(self, progress: Progress) -> StepPlan:
-        """The global plan of the update after `progress`."""
-        self.order.check(progress.data)
-        return plan_step(
-            self.order,
-            progress.data,
-            self.corpus.length,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-        )
-
-    def steps_for_epochs(self, epochs: float) -> int:
-        """The steps that make `epochs` passes over the data from the start (max_epochs)."""
-        return steps_for_epochs(
-            self.order,
-            self.corpus.length,
-            epochs,
-            seq_len=self.seq_len,
-            batch_size=self.batch_size,
-        )
 
     def locate(self, progress: Progress, bad: BadToken) -> str:
         """Where a token of this rank's batch after `progress` comes from: its pair's record
@@ -488,15 +452,9 @@ def load_pair_data(
         progress=progress,
         cache=cache,
     )
-    order = SampleOrder(
-        source_sizes=corpus.source_sizes,
-        weights=tuple(float(source.weight) for source in data_cfg.sources),
-        seed=seed,
-        shuffle=data_cfg.shuffle,
-    )
     return PairData(
         corpus,
-        order,
+        source_order(corpus.source_sizes, data_cfg, seed),
         seq_len,
         batch_size,
         micro_batch_size,

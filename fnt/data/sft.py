@@ -10,7 +10,7 @@ position it starts at.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from fnt.batch import BadToken, SftBatch
 from fnt.data.cache import DataCache
@@ -35,11 +35,13 @@ class DataConfig(Protocol):
 
 
 @dataclass(frozen=True)
-class SourceData(Stateless):
-    """A tokenized corpus, its sample order and this rank's batch layout (a SampleSource: all it
-    has to remember is the data position, which Progress holds)."""
+class PlannedData(Stateless):
+    """What SFT's and DPO's data share: a tokenized corpus, its sample order and this rank's
+    batch layout, each step planned the same on every rank (fnt.data.packing). All it has to
+    remember is the data position, which Progress holds."""
 
-    corpus: Corpus
+    corpus: Any
+    """A Corpus or PairCorpus: anything with `length(sample_id)`, 0 for a dropped sample."""
     order: SampleOrder
     seq_len: int
     batch_size: int
@@ -54,19 +56,6 @@ class SourceData(Stateless):
     def __post_init__(self) -> None:
         check_batch_layout(
             self.batch_size, self.micro_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size
-        )
-
-    def batch(self, progress: Progress) -> SftBatch:
-        """This rank's batch of the update after `progress`: it starts at `progress.data` and
-        ends at its `data_after`."""
-        return rank_batch(
-            self.plan(progress),
-            self.corpus,
-            seq_len=self.seq_len,
-            micro_batch_size=self.micro_batch_size,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            pad_token_id=self.pad_token_id,
         )
 
     def plan(self, progress: Progress) -> StepPlan:
@@ -90,6 +79,26 @@ class SourceData(Stateless):
             batch_size=self.batch_size,
         )
 
+
+@dataclass(frozen=True)
+class SourceData(PlannedData):
+    """SFT's data: chats or text of data.sources (a SampleSource)."""
+
+    corpus: Corpus
+
+    def batch(self, progress: Progress) -> SftBatch:
+        """This rank's batch of the update after `progress`: it starts at `progress.data` and
+        ends at its `data_after`."""
+        return rank_batch(
+            self.plan(progress),
+            self.corpus,
+            seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            pad_token_id=self.pad_token_id,
+        )
+
     def locate(self, progress: Progress, bad: BadToken) -> str:
         """Where a token of this rank's batch after `progress` comes from: its sample's record
         (`file, line N`, read again now), the token's place in the sample, and the cache entry
@@ -105,6 +114,16 @@ class SourceData(Stateless):
         where, entry = sample_origin(self.corpus, self.sources, row[bad.document])
         cached = f" (read from the cache entry {entry})" if entry else ""
         return f"{where}, token {bad.offset} of its sample{cached}"
+
+
+def source_order(source_sizes: Sequence[int], data_cfg: DataConfig, seed: int) -> SampleOrder:
+    """The order samples are drawn in: data.sources mixed by weight, shuffled or not."""
+    return SampleOrder(
+        source_sizes=tuple(source_sizes),
+        weights=tuple(float(source.weight) for source in data_cfg.sources),
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+    )
 
 
 def load_source_data(
@@ -135,15 +154,9 @@ def load_source_data(
         cache=cache,
         on_bad_sample=data_cfg.on_bad_sample,
     )
-    order = SampleOrder(
-        source_sizes=corpus.source_sizes,
-        weights=tuple(float(source.weight) for source in data_cfg.sources),
-        seed=seed,
-        shuffle=data_cfg.shuffle,
-    )
     return SourceData(
         corpus,
-        order,
+        source_order(corpus.source_sizes, data_cfg, seed),
         seq_len,
         batch_size,
         micro_batch_size,
