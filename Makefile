@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo demo-multiturn demo-task test test-slow test-numerics test-vllm vllm-env bench lint clean
+.PHONY: setup demo demo-multiturn demo-task test test-slow test-numerics test-vllm vllm-env verifiers-env test-verifiers test-vllm-verifiers bench lint clean
 
 setup: $(VENV)/.installed $(VENV)/.native
 
@@ -69,7 +69,23 @@ $(VLLM_VENV)/.installed: tools/vllm_alias/pyproject.toml
 
 # The tests that run a real vLLM server (marked vllm; they need `make vllm-env`).
 test-vllm: setup vllm-env
-	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and not slow and not gpu"
+	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and not verifiers and not slow and not gpu"
+
+# The verifiers extra (rollout.environment = "verifiers:TASKSET") in fnt's virtualenv: its pins
+# leave torch and transformers as they are (it adds about 50 packages).
+verifiers-env: $(VENV)/.verifiers
+
+$(VENV)/.verifiers: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[verifiers]'
+	touch $@
+
+# The tests that need the verifiers extra (marked verifiers); those that also need a vLLM
+# server (marked vllm too) run with test-vllm-verifiers.
+test-verifiers: setup verifiers-env
+	$(PY) -m pytest -q -m "verifiers and not vllm and not slow and not gpu"
+
+test-vllm-verifiers: setup vllm-env verifiers-env
+	FNT_VLLM=$(VLLM_VENV)/bin/vllm $(PY) -m pytest -q -m "vllm and verifiers and not slow and not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check fnt steps scripts tests

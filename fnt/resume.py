@@ -176,6 +176,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.temperature": MAY_CHANGE,
     "rollout.reward": MAY_CHANGE,
     "rollout.environment": MAY_CHANGE,  # like the reward: the task's rules
+    "rollout.environment_args": MAY_CHANGE,  # like the environment: the task's rules
     "rollout.max_turns": MAY_CHANGE,
     "rollout.max_episode_tokens": MAY_CHANGE,
     "rollout.on_truncated": MAY_CHANGE,

@@ -3,9 +3,9 @@ what installs them and whether they bring their own prompts. Pure, apart from
 `require_installed`, which asks the import system whether a package is present (no import).
 
 rollout.environment is routed by its part before the first ":" (`environment_kind`): empty is the
-single-turn environment with rollout.reward; a registered prefix ("reasoning_gym") is that
-integration, its `build` called as build(rollout) -> environment; anything else is a user's
-"module:factory". `fnt rl --list-environments` prints this table (fnt.apps.environments).
+single-turn environment with rollout.reward; a registered prefix ("reasoning_gym", "verifiers")
+is that integration, its `build` called as build(rollout) -> environment; anything else is a
+user's "module:factory". `fnt rl --list-environments` prints this table (fnt.apps.environments).
 
 Adding an integration is its implementation's file and one entry here.
 """
@@ -13,8 +13,9 @@ Adding an integration is its implementation's file and one entry here.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fnt.errors import ConfigError
 
@@ -52,6 +53,8 @@ class EnvironmentKind:
     """How many held-out prompts (per source) it makes for val/ (None: it makes none)."""
     held_out_key: str = ""
     """The config key that sets `held_out`, for messages."""
+    takes_environment_args: bool = False
+    """It reads rollout.environment_args (a JSON object of its settings)."""
 
 
 def check_reasoning_gym(rollout: RolloutConfig) -> None:
@@ -99,6 +102,37 @@ def reasoning_gym_val_size(rollout: RolloutConfig) -> int:
     return rollout.reasoning_gym.val_size
 
 
+def environment_args(rollout: RolloutConfig) -> dict[str, Any]:
+    """rollout.environment_args as a dict ({} when empty); ConfigError unless a JSON object."""
+    text, key = rollout.environment_args, "rollout.environment_args"
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"'{key}' = {text!r}: not valid JSON ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{key}' = {text!r}: must be a JSON object of the taskset's settings")
+    return value
+
+
+def check_verifiers(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.environment names a taskset, rollout.prompts is empty and
+    rollout.environment_args is a JSON object. Pure (the taskset is found by preflight/build)."""
+    _, _, taskset = rollout.environment.partition(":")
+    if not taskset:
+        raise ConfigError(
+            f"'rollout.environment' = {rollout.environment!r}: name the taskset, "
+            '"verifiers:TASKSET" (an installed taskset\'s id or a module path)'
+        )
+    if rollout.prompts:
+        raise ConfigError(
+            f"'rollout.prompts' = {rollout.prompts!r}: the verifiers taskset gives the prompts of "
+            f"rollout.environment = {rollout.environment!r}; leave rollout.prompts empty"
+        )
+    environment_args(rollout)
+
+
 ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
     EnvironmentKind(
         name="single_turn",
@@ -126,6 +160,20 @@ ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
         check=check_reasoning_gym,
         held_out=reasoning_gym_val_size,
         held_out_key="rollout.reasoning_gym.val_size",
+    ),
+    EnvironmentKind(
+        name="verifiers",
+        spelling='"verifiers:TASKSET", with rollout.environment_args',
+        summary="a verifiers taskset's tasks (the prompts; no held-out split), tools and rubric "
+        "(the rewards), run by fnt's engines",
+        prefix="verifiers",
+        build="fnt.rollout.environments.verifiers_env:build",
+        extra="verifiers",
+        requires="verifiers",
+        distribution="verifiers",
+        supplies_prompts=True,
+        check=check_verifiers,
+        takes_environment_args=True,
     ),
 )
 """The environments fnt knows, in the order --list-environments shows them."""

@@ -429,7 +429,9 @@ class RolloutConfig:
     reward: str = ""
     """Reward function: a registry name (see fnt.rollout.rewards) or "module:function"."""
     environment: str = ""
-    """Episodes: "module:factory", "reasoning_gym:TASK" (fnt rl --list-environments); "": 1 turn."""
+    """Episodes: "module:factory", "reasoning_gym:TASK", "verifiers:TASKSET"; "": one turn."""
+    environment_args: str = ""
+    """A JSON object of settings for environment = "verifiers:TASKSET": the taskset config's."""
     max_turns: int = 4
     """Model turns per episode at most; an environment answering the last one truncates it."""
     max_episode_tokens: int = 0

@@ -10,7 +10,12 @@ import math
 from typing import Any
 
 from fnt.config.engines import ENGINES, engine_of
-from fnt.config.environments import environment_kind, environment_val_size, has_prompts
+from fnt.config.environments import (
+    ENVIRONMENTS,
+    environment_kind,
+    environment_val_size,
+    has_prompts,
+)
 from fnt.config.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.config.references import require_function
 from fnt.config.schema import (
@@ -397,6 +402,12 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
     if kind.check is not None:
         kind.check(rollout)
     require(has_prompts(rollout), "prompts", "name a JSONL file of prompts")
+    require(
+        not rollout.environment_args or kind.takes_environment_args,
+        "environment_args",
+        "is read only by an environment that takes settings: "
+        + ", ".join(k.spelling for k in ENVIRONMENTS if k.takes_environment_args),
+    )
     require(
         bool(rollout.reward or rollout.environment),
         "reward",

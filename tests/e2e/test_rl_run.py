@@ -132,3 +132,45 @@ def test_a_multi_turn_run_killed_with_sigkill_resumes_exactly(
     run_fnt("rl", *rl_args(policy_dir, killed, "--resume", "latest", *extra), nproc=nproc)
     keys = (*EXACT, "rollout/turns/mean", "rollout/sampled_tokens", "reward/final/mean")
     assert_resumed_run_matches(full, killed, 0, 4, keys, tmp_path)
+
+
+VERIFIERS = (
+    "--rollout.prompts",
+    "",
+    "--rollout.reward",
+    "",
+    "--rollout.max-turns",
+    "2",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "256",
+    "--runtime.num-threads",
+    "1",
+)
+
+
+@pytest.mark.verifiers
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "taskset, rewards",
+    [("vf_single", ("exact", "letters")), ("vf_tools", ("correct", "used_tool", "digits"))],
+)
+def test_a_verifiers_taskset_trains_and_resumes_exactly(policy_dir, tmp_path, taskset, rewards):
+    """`fnt rl` with rollout.environment = "verifiers:..." (tasksets in verifiers' style,
+    tests/fnt/rollout/vf_single.py and vf_tools.py) and the in-process engine: its tasks are the
+    prompts, its rewards are logged by name, the policy updates, and a resumed run equals the
+    uninterrupted one."""
+    extra = (*VERIFIERS, "--rollout.environment", f"verifiers:tests.fnt.rollout.{taskset}")
+    full = tmp_path / "full"
+    run_cli("rl", *rl_args(policy_dir, full, *extra, "--ckpt.interval", "2"))
+    rows = read_metrics(full)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    named = {f"reward/{name}/mean" for name in rewards}
+    assert all(named <= row.keys() for row in rows)
+    assert any((r["optim/grad_norm"] or 0) > 0 for r in rows)
+    resumed = tmp_path / "resumed"
+    copy_crashed_run(full, resumed, 2)
+    run_cli("rl", *rl_args(policy_dir, resumed, *extra, "--resume", "latest"))
+    keys = (*EXACT, "rollout/sampled_tokens", *sorted(named))
+    assert_resumed_run_matches(full, resumed, 2, 4, keys, tmp_path)

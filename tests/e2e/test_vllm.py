@@ -378,3 +378,23 @@ def test_over_nccl_the_server_generates_from_each_new_policy(reverse_sft, tmp_pa
     # Had the server kept older weights, its logprobs would differ from the trainer's.
     assert all(r["mismatch_kl/all/mean"] < 1e-4 for r in rows), rows
     assert not list((out / "weights").glob("step_*"))
+
+
+@pytest.mark.verifiers
+def test_rl_from_vllm_with_a_verifiers_tool_taskset_trains(server, reverse_sft, tmp_path):
+    """rollout.environment = "verifiers:..." with the vLLM engine: a tool taskset in verifiers'
+    style (tests/fnt/rollout/vf_tools.py) runs against the real server, its rewards are logged
+    by name, and the trainer's logprobs of every sampled token equal the server's."""
+    out = tmp_path / "run"
+    verifiers = (
+        *("--rollout.prompts", "", "--rollout.reward", ""),
+        *("--rollout.environment", "verifiers:tests.fnt.rollout.vf_tools"),
+        *("--rollout.max-turns", "2", "--rollout.prompts-per-step", "4", "--max-steps", "2"),
+    )
+    run_cli("rl", *rl_args(reverse_sft, server, out, *verifiers))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert {"reward/correct/mean", "reward/used_tool/mean", "reward/digits/mean"} <= row.keys()
+        assert row["rollout/episodes"] == 4 * 8  # prompts_per_step x rl.toml's group_size
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows)
