@@ -35,7 +35,7 @@ def test_a_missing_extra_is_listed_with_the_command_that_installs_it(monkeypatch
         lambda name, *a: None if name == "reasoning_gym" else real(name, *a),
     )
     proc = run_cli("rl", "--list-environments")
-    block = proc.stdout.strip().split("\n\n")[-1]
+    (block,) = [b for b in proc.stdout.strip().split("\n\n") if b.startswith("reasoning_gym:")]
     assert block.splitlines()[0] == "reasoning_gym: not installed: pip install 'fnt[tasks]'"
     assert "names:" not in block
 
@@ -45,6 +45,7 @@ def test_each_spelling_is_routed_to_its_entry():
         "single_turn": "",
         "factory": "my.module:make",
         "reasoning_gym": "reasoning_gym:gcd",
+        "verifiers": "verifiers:my_tasks",
     }
     examples["reasoning_gym_mix"] = "reasoning_gym"
     for name, value in examples.items():
