@@ -25,6 +25,24 @@ def test_the_gpu_check_parses_and_runs_existing_parts():
     assert '-m "gpu and vllm"' in text and "bench_rl.py --engine vllm" in text
 
 
+def test_each_call_of_the_gpu_check_fits_a_lent_machines_ten_minutes(tmp_path):
+    """A lent GPU machine runs one command for at most 10 minutes: the time limits of each part
+    (main, vllm) add up to 9 at most, and another part name is refused."""
+    text = SCRIPT.read_text()
+    main, vllm = text.split('elif [ "$PART" = vllm ]', 1)
+    main = main.split('if [ "$PART" = main ]', 1)[1]
+    for part in (main, vllm.split("\nelse\n")[0]):
+        limits = [int(n) for n in re.findall(r"\btimeout (\d+) ", part)]
+        assert limits and sum(limits) <= 9 * 60, limits
+    out = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out"), "all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "the part is main or vllm, not 'all'" in out.stderr
+
+
 def run_json(*args: str, timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout

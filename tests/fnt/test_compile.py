@@ -322,3 +322,40 @@ def test_compiled_decoding_gives_the_eager_tokens_in_a_bounded_number_of_graphs(
     again = compile_totals()
     assert greedy(prompt_sets[0], **options[0]) == eager[0]
     assert compile_totals().graphs == again.graphs
+
+
+# The same checks on a GPU, where compiling pays most (scripts/gpu_check.sh measures it): CUDA's
+# compiled kernels round differently from the eager ones, hence a float tolerance, and bf16's
+# wider one.
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "model, tolerance",
+    [({}, 1e-4), ({"compute_dtype": "bfloat16"}, 5e-3)],
+    ids=["float32", "bfloat16"],
+)
+def test_compiled_sft_on_cuda_matches_eager(tiny_model_dir, tmp_path, model, tolerance):
+    if not torch.cuda.is_available():
+        pytest.fail("gpu-marked: needs CUDA")
+    eager = losses(sft_config(tiny_model_dir, tmp_path / "eager", **model))
+    compiled = losses(sft_config(tiny_model_dir, tmp_path / "compiled", compile=True, **model))
+    assert compiled == pytest.approx(eager, abs=tolerance)
+
+
+@pytest.mark.gpu
+def test_compiled_decoding_on_cuda_gives_the_eager_tokens(policy_dir):
+    if not torch.cuda.is_available():
+        pytest.fail("gpu-marked: needs CUDA")
+    torch.compiler.reset()
+    model = load_hf_model(ModelConfig(name=str(policy_dir)), torch.device("cuda")).eval()
+
+    def greedy():
+        groups = generate(
+            model, PROMPTS, num_samples=2, max_new_tokens=24, stop_token_ids=[0], greedy=True
+        )
+        return [[c.token_ids for c in completions] for completions in groups]
+
+    eager = greedy()
+    compile_layers_(decoder_layers(model))
+    before = compile_totals()
+    assert greedy() == eager
+    assert 1 <= compile_totals().graphs - before.graphs <= 3
