@@ -103,7 +103,8 @@ def assert_one_row_per_step(
     """A run killed at each of `crashes` in turn, resumed with `resume = "latest"` after each and
     at last run to its end: every line of metrics.jsonl is a row, it holds each step
     1..max_steps exactly once, and the W&B run (the stub of WANDB_STUB, offline) holds the same
-    rows. AssertionError naming what is wrong otherwise."""
+    rows (and the samples tables of the steps that saved samples). AssertionError naming what
+    is wrong otherwise."""
     work = Path(workdir or tempfile.mkdtemp(prefix="fnt-testing-"))
     out, history = work / "run", work / "wandb_history"
     history.mkdir(parents=True, exist_ok=True)
@@ -124,7 +125,12 @@ def assert_one_row_per_step(
     )
     run_id = (out / WANDB_ID_FILE).read_text().strip()
     server = json.loads((history / f"{run_id}.json").read_text())
-    wandb_rows = [{"step": int(step), **values} for step, values in server.items()]
+    # Beside a sample step's row W&B also holds its samples table (rollout.log_samples_every),
+    # which the run directory keeps in samples/ instead: the rows are the rest.
+    wandb_rows = [
+        {"step": int(step), **{k: v for k, v in values.items() if not _is_table(v)}}
+        for step, values in server.items()
+    ]
     assert _strict(wandb_rows) == _strict(rows), (
         f"the W&B run holds the steps {[r['step'] for r in wandb_rows]}, and its rows differ "
         "from metrics.jsonl's"
@@ -204,6 +210,11 @@ def _model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         target = Path(tmp) / "state.pt"
         dcp_to_torch_save(checkpoint, target)
         return torch.load(target, weights_only=False)["model"]
+
+
+def _is_table(value: Any) -> bool:
+    """Whether a value the W&B stub holds is a wandb.Table (kept as JSON with `_type`)."""
+    return isinstance(value, dict) and value.get("_type") == "table"
 
 
 def _strict(rows: Sequence[dict]) -> list[str]:
