@@ -80,9 +80,10 @@ def read_policy_step(path: Path) -> Optional[int]:
     """The policy step in `path/policy_step` (the weights/step_P that sampled the rollouts), or
     None when the orchestrator wrote no such file; DataError when it is not an integer >= 0."""
     file = path / POLICY_STEP_FILE
-    if not file.is_file():
+    try:
+        text = file.read_text().strip()
+    except FileNotFoundError:
         return None
-    text = file.read_text().strip()
     if not text.isdigit():
         raise DataError(f"{file}: expected the policy step, an integer >= 0, got {text!r}")
     return int(text)
@@ -97,6 +98,9 @@ def wait_for_fresh_rollouts(path: Path, step: int, async_level: int, timeout_s: 
     while True:
         wait_for_rollouts(path, max(timeout_s - (time.perf_counter() - started), 0.0))
         policy_step = read_policy_step(path)
+        if not (path / COMPLETE_MARKER).is_file():
+            # Being replaced (the marker goes first): what was read may be of neither version.
+            continue
         if policy_step is None:
             return step - 1
         if policy_step > step - 1:

@@ -50,3 +50,28 @@ def test_a_policy_step_from_the_future_or_not_a_number_is_a_data_error(tmp_path,
     (tmp_path / "step_5" / "policy_step").write_text(text)
     with pytest.raises(DataError, match=message):
         wait_for_fresh_rollouts(tmp_path / "step_5", 5, 1, timeout_s=1)
+
+
+def test_a_directory_read_while_it_is_being_replaced_is_waited_for_again(tmp_path, monkeypatch):
+    # The orchestrator's replacement removes the marker, then the files, then renames the new
+    # directory in; a policy_step read in between (gone: "on-policy") must not be believed.
+    from fnt.rollout.engines import external
+
+    path = tmp_path / "step_5"
+    write_rollouts(path, 2)
+    real_read = external.read_policy_step
+    replacing = []
+
+    def read_during_the_replacement(at):
+        if not replacing:
+            (at / "COMPLETE").unlink()
+            (at / "policy_step").unlink()
+            replacing.append(threading.Timer(0.2, write_rollouts, (path, 3)))
+            replacing[0].start()
+        return real_read(at)
+
+    monkeypatch.setattr(external, "read_policy_step", read_during_the_replacement)
+    try:
+        assert wait_for_fresh_rollouts(path, 5, 1, timeout_s=5) == 3
+    finally:
+        replacing[0].join()
