@@ -106,7 +106,10 @@ def test_a_bad_pair_line_is_named_before_the_model_loads(tiny_model_dir, tmp_pat
     assert "loading the model" not in proc.stdout
 
 
-@pytest.mark.parametrize("variant", ["frozen copy", "lora, precomputed"])
+# "frozen copy" is slow for the default suite's time; the LoRA variant resumes the same loop.
+@pytest.mark.parametrize(
+    "variant", [pytest.param("frozen copy", marks=pytest.mark.slow), "lora, precomputed"]
+)
 def test_sigkill_then_resume_equals_the_uninterrupted_run(
     tiny_model_dir, tmp_path, one_rank_run, variant
 ):

@@ -98,7 +98,12 @@ def full_run(tiny_model_dir, tmp_path_factory) -> Path:
     ("grace", "delays", "why"),
     [
         ("2", [0.0], "preempted by SIGTERM: step 3 did not end within runtime.preempt_grace_s"),
-        ("600", [0.0, 1.0], "preempted by SIGTERM: a second SIGTERM during step 3"),
+        pytest.param(
+            "600",
+            [0.0, 1.0],
+            "preempted by SIGTERM: a second SIGTERM during step 3",
+            marks=pytest.mark.slow,  # the default suite's time: grace-expires ends it the same way
+        ),
     ],
     ids=["grace-expires", "second-signal"],
 )

@@ -90,7 +90,8 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
 @pytest.mark.parametrize(
     "fault",
     # Right after step_4's rename; and while the cleanup after that save deletes step_2.
-    ["committed@4", "cleanup@2"],
+    # committed@4 is slow for the default suite's time (cleanup@2 kills after a commit too).
+    [pytest.param("committed@4", marks=pytest.mark.slow), "cleanup@2"],
 )
 def test_sigkill_after_a_commit_keeps_every_row_exactly_once(
     tiny_model_dir, tmp_path, uninterrupted, fault

@@ -113,6 +113,7 @@ def test_a_step_whose_randomness_is_not_restored_fails_resume_exactness(sft_conf
         )
 
 
+@pytest.mark.slow  # the default suite's time; the next test runs the same property on a kill
 @PROPERTY_SETTINGS
 @given(kills=st.lists(crash_points(4), max_size=1))
 def test_sft_step_writes_each_row_once_whatever_the_kills(sft_config, tmp_path_factory, kills):
