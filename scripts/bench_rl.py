@@ -476,7 +476,7 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
     }
     runtime = setup_trainer(configs["multi_turn"])
     states = {side: init_state(config, runtime) for side, config in configs.items()}
-    keys = ("step_s", "rollout_s", "sampled", "context", "turns", "reward")
+    keys = ("step_s", "rollout_s", "update_s", "sampled", "context", "turns", "reward")
     seen = {side: {k: [] for k in keys} for side in states}
     for i in range(args.warmup + args.steps):
         for side, state in states.items():
@@ -488,6 +488,7 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
                     (
                         rolled + updated,
                         rolled,
+                        updated,
                         row["rollout/sampled_tokens"],
                         row["rollout/context_tokens"],
                         row["rollout/turns/mean"],
@@ -505,29 +506,37 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
         f"{torch.get_num_threads()} thread(s), median of {args.steps} steps after {args.warmup}"
     )
     print(
-        f"{'':12} {'step s':>7} {'rollout s':>9} {'sampled tok':>11} {'context tok':>11} "
-        f"{'turns':>6} {'sampled tok/s':>13}"
+        f"{'':12} {'step s':>7} {'rollout s':>9} {'update s':>8} {'sampled tok':>11} "
+        f"{'context tok':>11} {'turns':>6} {'sampled tok/s':>13} {'all tok/s':>9}"
     )
     for side, values in seen.items():
-        # tokens/s of each step, then the median: the step's sampled tokens over its seconds
+        # tokens/s of each step, then the median: the step's tokens over its seconds
         rate = median([n / t for n, t in zip(values["sampled"], values["step_s"])])
+        every = [n + c for n, c in zip(values["sampled"], values["context"])]
+        all_rate = median([n / t for n, t in zip(every, values["step_s"])])
         row = {
             "step_s": median(values["step_s"]),
             "rollout_s": median(values["rollout_s"]),
+            "update_s": median(values["update_s"]),
             "sampled_tokens": statistics.fmean(values["sampled"]),
             "context_tokens": statistics.fmean(values["context"]),
             "turns_mean": statistics.fmean(values["turns"]),
             "sampled_tok_s": rate,
+            "all_tok_s": all_rate,
             "reward_mean": statistics.fmean(values["reward"]),
         }
         print(
-            f"{side:12} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['sampled_tokens']:11.0f} "
-            f"{row['context_tokens']:11.0f} {row['turns_mean']:6.2f} {rate:13.0f}"
+            f"{side:12} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['update_s']:8.3f} "
+            f"{row['sampled_tokens']:11.0f} {row['context_tokens']:11.0f} "
+            f"{row['turns_mean']:6.2f} {rate:13.0f} {all_rate:9.0f}"
         )
         result |= {f"{side}_{k}": v for k, v in row.items()}
     ratio = result["single_turn_sampled_tok_s"] / result["multi_turn_sampled_tok_s"]
+    all_ratio = result["single_turn_all_tok_s"] / result["multi_turn_all_tok_s"]
     print(f"sampled tokens/s single_turn / multi_turn = {ratio:.3f} (target <= 1.3)")
+    print(f"all tokens/s (sampled and context) single_turn / multi_turn = {all_ratio:.3f}")
     result["tok_s_ratio"] = ratio
+    result["all_tok_s_ratio"] = all_ratio
     return result
 
 
