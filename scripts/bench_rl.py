@@ -462,27 +462,47 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
 
     if str(REPO) not in sys.path:  # the environment's module: examples.reverse_text
         sys.path.insert(0, str(REPO))
-    # Capacity for every sample in a row of its own; the micro-batches follow the lengths.
+    # Capacity for every sample in a row of its own; the micro-batches follow the lengths. A
+    # learning policy drifts (its answers grow until max_new_tokens cuts them, which ends an
+    # episode: 3.0 turns fell to 1.0 within 14 steps), so both sides keep the starting policy
+    # (optim.lr = 0: the update's work is all done, its step is zero) and the task stays 3 turns.
     shape = ["--batch_size=192", "--micro_batch_size=8", "--rollout.group_size=8"]
+    shape += ["--optim.lr=0", "--schedule.min_lr=0"]
     multi = [f"--rollout.environment={MULTI_TURN_ENV}", "--rollout.max_turns=3"]
     max_new_tokens = fnt_config(task, work / "unused", 0).rollout.max_new_tokens
-    configs = {
-        "multi_turn": fnt_config(
-            task, work / "fnt-multi-turn", 0, *shape, *multi, "--rollout.prompts_per_step=8"
-        ),
-        "single_turn": fnt_config(
-            task, work / "fnt-single-turn", 0, *shape, "--rollout.prompts_per_step=24"
-        ),
-    }
-    runtime = setup_trainer(configs["multi_turn"])
-    states = {side: init_state(config, runtime) for side, config in configs.items()}
+
+    def single_turn(prompts: int):
+        out = work / f"fnt-single-turn-{prompts}"
+        return fnt_config(task, out, 0, *shape, f"--rollout.prompts_per_step={prompts}")
+
+    multi_config = fnt_config(
+        task, work / "fnt-multi-turn", 0, *shape, *multi, "--rollout.prompts_per_step=8"
+    )
+    runtime = setup_trainer(multi_config)
+    states = {"multi_turn": init_state(multi_config, runtime)}
+    # As many sampled tokens a step: single-turn prompts enough for the multi-turn side's
+    # sampled tokens, from warm-up steps of both (a turn after a hint is shorter than a first).
+    probe = init_state(single_turn(24), runtime)
+    sampled: dict[str, list[float]] = {"multi_turn": [], "single_turn": []}
+    for _ in range(max(args.warmup, 1)):
+        states["multi_turn"], *_, row = fnt_step(
+            states["multi_turn"], rl_source, rl_step, to_floats
+        )
+        sampled["multi_turn"].append(row["rollout/sampled_tokens"])
+        probe, *_, row = fnt_step(probe, rl_source, rl_step, to_floats)
+        sampled["single_turn"].append(row["rollout/sampled_tokens"] / 24)
+    probe.handles.rollouts.close()
+    prompts = max(
+        1, round(statistics.fmean(sampled["multi_turn"]) / statistics.fmean(sampled["single_turn"]))
+    )
+    states["single_turn"] = init_state(single_turn(prompts), runtime)
     keys = ("step_s", "rollout_s", "update_s", "sampled", "context", "turns", "reward")
     seen = {side: {k: [] for k in keys} for side in states}
-    for i in range(args.warmup + args.steps):
+    for i in range(1 + args.steps):  # one more warm-up step: the single-turn side's first
         for side, state in states.items():
             state, rolled, updated, row = fnt_step(state, rl_source, rl_step, to_floats)
             states[side] = state
-            if i >= args.warmup:
+            if i >= 1:
                 for key, value in zip(
                     keys,
                     (
@@ -500,8 +520,10 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
         state.handles.rollouts.close()
 
     result: dict = {"case": "multi_turn", "steps": args.steps, "threads": torch.get_num_threads()}
+    result["single_turn_prompts"] = prompts
     print(
-        f"multi_turn: 8 prompts x 8 episodes of 3 turns, single_turn: 24 prompts x 8 of one; "
+        f"multi_turn: 8 prompts x 8 episodes of 3 turns, single_turn: {prompts} prompts x 8 of "
+        f"one; the starting policy (optim.lr = 0); "
         f"<= {max_new_tokens} new tokens a turn; "
         f"{torch.get_num_threads()} thread(s), median of {args.steps} steps after {args.warmup}"
     )
