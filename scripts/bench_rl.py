@@ -28,21 +28,25 @@ fnt with the in-process engine. It reports seconds per step and generation token
 (rollout/tokens_per_second: the step's completion tokens over the time spent producing them,
 loading the weights into the server included).
 
-`--multi-turn` times multi-turn episodes against single-turn ones with the same number of
-sampled tokens, both with fnt's in-process engine, step by step in turn: 3-turn episodes of the
-reverse-text task (examples/reverse_text/environments.py:three_turns: every answer but the
-third gets a hint, the first half of the reversal) of 8 prompts x 8 samples, against
-single-turn episodes of 24 prompts x 8 samples (three times the episodes, one turn each). The
-demo's base model never stops (its answers all run to max_new_tokens, which truncates an
-episode), so this case starts from the demo's SFT result, trained here under --work first
-(about a minute) unless --model names a model that ends its turns. It reports seconds per step,
-sampled tokens per step and sampled tokens per second of the whole step (rollout and update);
-the ratio is single-turn tokens/s over multi-turn tokens/s (target: at most 1.3). Measured
-about 1.5 on 2 shared CPU cores (README, "Running RL"; 2.0 before episodes kept their KV cache
-across turns): the tiny model's decode is latency-bound, and three turns are three decode chains
-one after the other (about 27 forwards a step against 11 for one turn of as many sampled
-tokens), and an episode's context (prompt, hints, template text) is trained with it, so the
-update processes more tokens per sampled token.
+`--multi-turn` times multi-turn episodes against single-turn ones with as many sampled tokens,
+both with fnt's in-process engine, step by step in turn: 3-turn episodes of the reverse-text task
+(examples/reverse_text/environments.py:three_turns: every answer but the third gets a hint, the
+first half of the reversal) of 8 prompts x 8 samples, against single-turn episodes of as many
+prompts x 8 samples as sample about as many tokens a step (sized from warm-up steps of both: an
+answer after a hint is shorter than a first one). Both sides keep their starting policy
+(optim.lr = 0: the update's work is all done, its step is zero): a learning policy drifts, its
+answers growing until max_new_tokens cuts them, which ends an episode (3.0 turns fell to 1.0
+within 14 steps), and the task would no longer be 3 turns. The demo's base model never stops (its
+answers all run to max_new_tokens), so this case starts from the demo's SFT result, trained here
+under --work first (about a minute) unless --model names a model that ends its turns. It reports
+seconds per step (rollout, update), sampled and context tokens per step, and two rates of the
+whole step: sampled tokens/s, and all tokens/s (sampled and context: every token the rollout
+reads and the update trains); each ratio is single-turn over multi-turn (target: at most 1.3).
+Measured on 2 shared CPU cores (README, "Running RL"): 2.1 on sampled tokens, 1.24-1.27 on all
+tokens. A 3-turn episode of this task carries 9 context tokens (prompt, hints, template text) per
+sampled token against 4.9 for one turn; per token, multi-turn costs about 1.25x, because its
+rollout decodes three turns one after another, 64 sequences at a time against 144, each
+attending to a longer context.
 
 `--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile, the
 in-process engine's copy included: it decodes compiled) against fnt eager, step by step in turn:
