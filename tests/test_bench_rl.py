@@ -4,28 +4,18 @@ tokens."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.test_gpu_check import run_json
 
 
 @pytest.mark.slow
 def test_the_multi_turn_comparison_keeps_three_turns_and_matches_the_sampled_tokens(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "scripts/bench_rl.py", "--multi-turn", "--steps", "2", "--warmup", "1"]
-        + ["--work", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
+    result = run_json(
+        *("scripts/bench_rl.py", "--multi-turn", "--steps", "2", "--warmup", "1"),
+        *("--work", str(tmp_path)),
         timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["case"] == "multi_turn" and result["steps"] == 2
     # The starting policy answers within max_new_tokens, so nearly every episode runs 3 turns
     # (a learning one drifted to 1); single-turn prompts are sized to the same sampled tokens.
