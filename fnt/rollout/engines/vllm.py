@@ -25,6 +25,14 @@ far ahead as the in-process engine's; the jobs run one at a time, in order, so a
 reloads weights under a request. After a resume the servers hold none of the older policies, so
 the first k updates sample from the resumed one (less stale, never more).
 
+Requests run in a thread pool (REQUESTS_PER_SERVER in flight per server), each server's through
+one httpx client that keeps its connections open, so the request of every episode and turn
+reuses one instead of opening its own; timeouts are rollout.timeout_s, failures are retried with
+backoff for rollout.vllm.retry_s. Threads rather than an event loop because environments are
+plain Python functions called between a turn's answer and the next request: a pooled client in
+threads keeps them as they are and gives what an async client would here (connection reuse,
+timeouts, many requests in flight).
+
 The token ids are the servers' own, so nothing is tokenized twice; their logprobs are of the
 sampling distribution (the servers run with --logprobs-mode processed_logprobs, which
 `fnt vllm-serve` sets), so they are the inference logprobs the loss's importance ratio needs.
@@ -35,12 +43,12 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
+
+import httpx
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig
@@ -68,21 +76,28 @@ class RequestFailed(Exception):
         self.retry = retry
 
 
-def http_json(url: str, body: Optional[dict], timeout_s: float) -> Any:
+def http_json(
+    url: str, body: Optional[dict], timeout_s: float, client: Optional[httpx.Client] = None
+) -> Any:
     """One request: POST `body` as JSON (GET when None); the JSON answer (None when empty).
-    RequestFailed on a refused connection, a timeout or an error status (retry: not for 4xx)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    request.add_header("Content-Type", "application/json")
+    RequestFailed on a refused connection, a timeout or an error status (retry: not for 4xx).
+    `client` keeps its connections open for the next request; without one, a connection is
+    opened for this request alone."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            text = response.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace").strip().replace("\n", " ")[:300]
-        raise RequestFailed(f"HTTP {exc.code}: {detail}", retry=exc.code >= 500) from None
-    except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
-        reason = getattr(exc, "reason", exc)
-        raise RequestFailed(f"{type(reason).__name__}: {reason}", retry=True) from None
+        if client is None:
+            with httpx.Client() as once:
+                return http_json(url, body, timeout_s, once)
+        if body is None:
+            response = client.get(url, timeout=timeout_s)
+        else:
+            response = client.post(url, json=body, timeout=timeout_s)
+    except httpx.TransportError as exc:  # refused, reset, timed out
+        raise RequestFailed(f"{type(exc).__name__}: {exc}", retry=True) from None
+    if response.status_code >= 400:
+        detail = response.text.strip().replace("\n", " ")[:300]
+        status = response.status_code
+        raise RequestFailed(f"HTTP {status}: {detail}", retry=status >= 500)
+    text = response.content
     if not text:
         return None
     try:
@@ -99,13 +114,22 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout_s, self.retry_s = timeout_s, retry_s
         self.version: Optional[int] = None  # the policy step it holds, once fnt loaded one
+        # Keep-alive connections, as many as requests in flight: a multi-turn step sends a
+        # request per episode and turn, and each would otherwise open a connection of its own.
+        limits = httpx.Limits(
+            max_connections=REQUESTS_PER_SERVER, max_keepalive_connections=REQUESTS_PER_SERVER
+        )
+        self.http = httpx.Client(limits=limits)
+
+    def close(self) -> None:
+        self.http.close()
 
     def call(self, path: str, body: Optional[dict], what: str) -> Any:
         started, wait, tries = time.monotonic(), FIRST_BACKOFF_S, 0
         while True:
             tries += 1
             try:
-                return http_json(self.url + path, body, self.timeout_s)
+                return http_json(self.url + path, body, self.timeout_s, self.http)
             except RequestFailed as exc:
                 elapsed = time.monotonic() - started
                 if not exc.retry or elapsed + wait > self.retry_s:
@@ -126,7 +150,7 @@ class ServerClient:
         started = time.monotonic()
         while True:
             try:
-                http_json(self.url + "/health", None, min(10.0, timeout_s))
+                http_json(self.url + "/health", None, min(10.0, timeout_s), self.http)
                 return
             except RequestFailed as exc:
                 if time.monotonic() - started > timeout_s:
@@ -415,6 +439,8 @@ class VLLMEngine(PromptRollouts, Stateless):
             self.jobs.clear()
             if self.sender is not None:
                 self.sender.close()
+            for server in self.servers:
+                server.close()
 
 
 def publish_to_vllm_(state: TrainState) -> None:

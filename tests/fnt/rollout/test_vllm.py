@@ -21,13 +21,17 @@ from fnt.rollout.publish import published_kind
 
 class FakeServer:
     """An HTTP server whose answers come from `answer(method, path, body) -> (status, json)`;
-    it records every request."""
+    it records every request and the client address it came from (with `keep_alive`, an
+    HTTP/1.1 server that keeps a connection open for the client's next request)."""
 
-    def __init__(self, answer) -> None:
+    def __init__(self, answer, keep_alive: bool = False) -> None:
         self.requests: list[tuple[str, str, object]] = []
+        self.peers: list[tuple[str, int]] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def log_message(self, *args):
                 pass
 
@@ -35,6 +39,7 @@ class FakeServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length)) if length else None
                 fake.requests.append((method, self.path, body))
+                fake.peers.append(self.client_address)
                 status, payload = answer(method, self.path, body)
                 data = b"" if payload is None else json.dumps(payload).encode()
                 self.send_response(status)
@@ -61,8 +66,8 @@ class FakeServer:
 def fake():
     servers = []
 
-    def make(answer):
-        servers.append(FakeServer(answer))
+    def make(answer, keep_alive=False):
+        servers.append(FakeServer(answer, keep_alive))
         return servers[-1]
 
     yield make
@@ -201,6 +206,20 @@ def test_a_slow_server_times_out_and_is_retried(fake):
     with pytest.raises(ServerError, match="timed out.*gave up"):
         ServerClient(server.url, timeout_s=0.2, retry_s=0.5).call("/x", {}, "sampling")
     assert len(server.requests) >= 2
+
+
+def test_the_requests_to_a_server_reuse_one_connection(fake):
+    # A multi-turn step sends a request per episode and turn: each must not open a connection.
+    server = fake(lambda method, path, body: (200, {"ok": True}), keep_alive=True)
+    client = ServerClient(server.url, timeout_s=5, retry_s=0)
+    try:
+        answers = [client.call("/v1/completions", {"n": i}, "sampling") for i in range(10)]
+    finally:
+        client.close()
+    assert answers == [{"ok": True}] * 10 and [b for *_, b in server.requests] == [
+        {"n": i} for i in range(10)
+    ]
+    assert len(set(server.peers)) == 1, server.peers
 
 
 def test_startup_waits_for_health_then_names_the_url_and_the_key():
