@@ -20,14 +20,15 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 from fnt.batch import BadToken, DataPosition, RLBatch
-from fnt.config import RLConfig
+from fnt.config import RLConfig, RolloutConfig
 from fnt.dist.parallel import check_batch_layout, rank_share
 from fnt.dist.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
+from fnt.rollout.advantages import group_advantages
 from fnt.rollout.base import LOGPROB_SLACK, as_float32, episode_metrics, episode_sums
 from fnt.rollout.pack import (
     RolloutSample,
@@ -230,9 +231,19 @@ def _flat_sample(
     return sample, logprobs is not None, ref_logprobs
 
 
-def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Optional[list[float]]]:
-    """One samples.jsonl line, in either form -> (sample, temperature, has inference logprobs,
-    its reference logprobs per token or None). Pure."""
+class ParsedSample(NamedTuple):
+    """One samples.jsonl line, read."""
+
+    sample: RolloutSample
+    temperature: float
+    has_logprobs: bool  # whether it carries the sampler's logprobs
+    ref_logprobs: Optional[list[float]]  # per token (0 off the sampled ones), or None
+    has_advantage: bool  # False: only a reward, and `sample.advantage` is 0 until computed
+    group: Union[str, int, None]  # its 'group', or None
+
+
+def parse_sample(line: str, where: str) -> ParsedSample:
+    """One samples.jsonl line, in either form. Pure."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -243,10 +254,17 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
     for key in ("token_ids",) if flat else ("prompt_ids", "completion_ids"):
         if key not in record:
             raise DataError(f"{where}: missing '{key}'")
-    if "advantage" not in record:
-        raise DataError(f"{where}: missing 'advantage'")
+    has_advantage = "advantage" in record
+    if not has_advantage and "reward" not in record:
+        raise DataError(
+            f"{where}: missing 'advantage' (or 'reward', for fnt to compute the advantages of "
+            "the step's groups)"
+        )
+    group = record.get("group")
+    if isinstance(group, bool) or not isinstance(group, (str, int, type(None))):
+        raise DataError(f"{where}: 'group' must be a string or an integer, got {group!r}")
     numbers = {}
-    for key, default in (("advantage", None), ("reward", 0.0), ("temperature", 1.0)):
+    for key, default in (("advantage", 0.0), ("reward", 0.0), ("temperature", 1.0)):
         value = record.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise DataError(f"{where}: '{key}' must be a finite number, got {value!r}")
@@ -262,7 +280,9 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
         raise DataError(f"{where}: 'temperature' must be > 0")
     if flat:
         sample, has_logprobs, ref_logprobs = _flat_sample(record, numbers, where)
-        return sample, numbers["temperature"], has_logprobs, ref_logprobs
+        return ParsedSample(
+            sample, numbers["temperature"], has_logprobs, ref_logprobs, has_advantage, group
+        )
     prompt_ids = _int_list(record["prompt_ids"], "prompt_ids", where)
     completion_ids = _int_list(record["completion_ids"], "completion_ids", where)
     if not prompt_ids or not completion_ids:
@@ -277,7 +297,9 @@ def parse_sample(line: str, where: str) -> tuple[RolloutSample, float, bool, Opt
     sample = single_turn(prompt_ids, completion, numbers["reward"], numbers["advantage"])
     if ref_logprobs is not None:
         ref_logprobs = [0.0] * len(prompt_ids) + ref_logprobs
-    return sample, numbers["temperature"], logprobs is not None, ref_logprobs
+    return ParsedSample(
+        sample, numbers["temperature"], logprobs is not None, ref_logprobs, has_advantage, group
+    )
 
 
 def sample_lines(file: Path) -> list[tuple[int, str]]:
@@ -286,23 +308,82 @@ def sample_lines(file: Path) -> list[tuple[int, str]]:
     return [(number, line) for number, line in lines if line.strip()]
 
 
+def reward_groups(
+    parsed: list[ParsedSample], numbers: list[int], group_size: int, file: Path
+) -> list[list[int]]:
+    """The groups of a step's reward-only samples, as lists of their indices: the lines of equal
+    'group' when they give one (every line must), else consecutive runs of rollout.group_size
+    lines. DataError naming the file (and line) otherwise. Pure."""
+    with_group = [p.group is not None for p in parsed]
+    if any(with_group):
+        if not all(with_group):
+            number = numbers[with_group.index(False)]
+            raise DataError(
+                f"{file}, line {number}: no 'group', but other lines give one (either every "
+                "line gives its 'group' or none does)"
+            )
+        members: dict[Union[str, int], list[int]] = {}
+        for i, p in enumerate(parsed):
+            members.setdefault(p.group, []).append(i)
+        return list(members.values())
+    if len(parsed) % group_size:
+        raise DataError(
+            f"{file}: {len(parsed)} reward-only samples without 'group' are not whole groups of "
+            f"rollout.group_size = {group_size} consecutive lines (give each line a 'group', or "
+            "its 'advantage')"
+        )
+    return [list(range(i, i + group_size)) for i in range(0, len(parsed), group_size)]
+
+
+def with_group_advantages(
+    parsed: list[ParsedSample], numbers: list[int], rollout: RolloutConfig, file: Path
+) -> list[RolloutSample]:
+    """The samples with their given advantages, or, when no line gives one, each with the
+    group-relative advantage of its reward within its group (`reward_groups`), as fnt's own
+    engines compute it (rollout.std_normalize). DataError when some lines give an advantage and
+    others do not. Pure."""
+    given = [p.has_advantage for p in parsed]
+    if all(given):
+        return [p.sample for p in parsed]
+    if any(given):
+        number = numbers[given.index(not given[0])]
+        differs = (
+            f"gives no 'advantage', but line {numbers[0]} does"
+            if given[0]
+            else f"gives an 'advantage', but line {numbers[0]} does not"
+        )
+        raise DataError(
+            f"{file}, line {number} {differs} (either every line gives its 'advantage' or none "
+            "does, and fnt computes them from 'reward')"
+        )
+    samples = [p.sample for p in parsed]
+    for members in reward_groups(parsed, numbers, rollout.group_size, file):
+        rewards = [[samples[i].reward for i in members]]
+        advantages = group_advantages(rewards, std_normalize=rollout.std_normalize)[0].tolist()
+        for i, advantage in zip(members, advantages):
+            samples[i] = dataclasses.replace(samples[i], advantage=advantage)
+    return samples
+
+
 def read_rollouts(
-    path: Path,
+    path: Path, rollout: RolloutConfig
 ) -> tuple[list[RolloutSample], float, bool, Optional[list[list[float]]]]:
-    """All samples of a step, their common temperature, whether they carry inference logprobs,
-    and their reference logprobs (None when the samples have none)."""
+    """All samples of a step (with the advantages fnt computes when the lines give rewards
+    only), their common temperature, whether they carry inference logprobs, and their reference
+    logprobs (None when the samples have none)."""
     file = path / SAMPLES_FILE
     if not file.is_file():
         raise DataError(f"{file}: missing, although {path / COMPLETE_MARKER} exists")
-    samples, temperatures, with_logprobs, refs = [], set(), set(), []
+    parsed, numbers = [], []
     for number, line in sample_lines(file):
-        sample, temperature, has_logprobs, ref = parse_sample(line, f"{file}, line {number}")
-        samples.append(sample)
-        temperatures.add(temperature)
-        with_logprobs.add(has_logprobs)
-        refs.append(ref)
-    if not samples:
+        parsed.append(parse_sample(line, f"{file}, line {number}"))
+        numbers.append(number)
+    if not parsed:
         raise DataError(f"{file}: no samples")
+    temperatures = {p.temperature for p in parsed}
+    with_logprobs = {p.has_logprobs for p in parsed}
+    refs = [p.ref_logprobs for p in parsed]
+    samples = with_group_advantages(parsed, numbers, rollout, file)
     if len(temperatures) > 1:
         raise DataError(
             f"{file}: all samples of a step must share one temperature, got {sorted(temperatures)}"
@@ -375,7 +456,7 @@ class ExternalRollouts(Stateless):
         policy_step = wait_for_fresh_rollouts(
             path, step, config.rollout.async_level, config.rollout.timeout_s
         )
-        samples, temperature, has_logprobs, refs = read_rollouts(path)
+        samples, temperature, has_logprobs, refs = read_rollouts(path, config.rollout)
         mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
         # Every rank reads every sample, so all know the most micro-batches any share needs.
         count = max(
@@ -429,7 +510,7 @@ class ExternalRollouts(Stateless):
         message)."""
         dp_rank, dp_size = self.runtime.dp_rank, self.runtime.dims.dp
         file = rollout_dir(self.config.output_dir, progress.step + 1) / SAMPLES_FILE
-        samples, *_ = read_rollouts(file.parent)
+        samples, *_ = read_rollouts(file.parent, self.config.rollout)
         mine = rank_samples(samples, dp_rank, dp_size, file)
         plans = plan_micro_batches(
             [s.length for s in mine],

@@ -28,7 +28,7 @@ def flat(**fields) -> str:
 
 
 def test_a_flat_line_parses_into_its_trajectory():
-    sample, temperature, has_logprobs, ref = parse_sample(
+    sample, temperature, has_logprobs, ref, *_ = parse_sample(
         flat(reward=0.5, turns=2, tool_calls=1, ref_logprobs=LOGPROBS), "f, line 1"
     )
     assert sample.token_ids == tuple(TOKENS) and sample.sampled == tuple(map(bool, MASK))

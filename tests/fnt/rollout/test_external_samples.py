@@ -54,7 +54,7 @@ def test_a_logprob_a_little_above_0_from_a_samplers_rounding_is_accepted():
 
 
 def test_a_sample_parses_its_reference_logprobs():
-    sample, temperature, has_logprobs, ref = parse_sample(
+    sample, temperature, has_logprobs, ref, *_ = parse_sample(
         line(ref_logprobs=[-1, -2.5, -0.5], temperature=0.7), "f, line 1"
     )
     assert ref == [0.0, 0.0, -1.0, -2.5, -0.5] and not has_logprobs and temperature == 0.7
