@@ -418,9 +418,13 @@ def _locate_content(
     """Character span of messages[j]'s content (its answer, for an assistant) in the rendering
     of `messages`; None when the template does not render it."""
     head, answer = _split_reasoning(messages[j])
-    marker = next((c for c in _MARKERS if c not in messages[j]["content"]), None)
-    if marker is None:
-        raise ValueError(f"messages[{j}]: its content holds every marker character {_MARKERS!r}")
+    # A content that holds every marker character still gets one that differs from its answer's
+    # first and last characters (trimmed or not), which is all the two renderings' difference
+    # needs to start and end exactly at the answer.
+    ends = {answer[:1], answer[-1:], answer.strip()[:1], answer.strip()[-1:]}
+    marker = next((c for c in _MARKERS if c not in messages[j]["content"]), None) or next(
+        c for c in _MARKERS if c not in ends
+    )
     marked = list(messages)
     marked[j] = {**messages[j], "content": head + marker}
     text = render(messages, add_generation_prompt=add_generation_prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
@@ -48,8 +48,19 @@ def target_runs(ids: list[int], targets: list[bool]) -> list[list[int]]:
     return runs
 
 
+EVERY_MARKER = "\x0f\x0e\x07\x06\x05\x04\x03\x02\x01"  # fnt.data.chat's marker characters
+
+
 @settings(max_examples=60, deadline=None)
 @given(messages=conversations())
+# Contents that hold every character fnt marks a content with (found by this test once).
+@example(messages=[{"role": "user", "content": ""}, {"role": "assistant", "content": EVERY_MARKER}])
+@example(
+    messages=[
+        {"role": "user", "content": EVERY_MARKER},
+        {"role": "assistant", "content": f" \x01{EVERY_MARKER}\x02 "},
+    ]
+)
 def test_targets_are_each_assistant_turn_through_its_eos(tokenizer, messages):
     ids, targets = one_sample(messages, tokenizer)
     decoded_runs = [tokenizer.decode(run) for run in target_runs(ids, targets)]
