@@ -361,6 +361,13 @@ def with_group_advantages(
         rewards = [[samples[i].reward for i in members]]
         advantages = group_advantages(rewards, std_normalize=rollout.std_normalize)[0].tolist()
         for i, advantage in zip(members, advantages):
+            # Finite rewards can still overflow: a spread past float32's range, or a float64 sum.
+            if not math.isfinite(as_float32(advantage)):
+                raise DataError(
+                    f"{file}, line {numbers[i]}: the advantage fnt computes from its 'reward' "
+                    f"{samples[i].reward!r} and its group's is {advantage!r}, not finite in "
+                    "float32 where it is stored; scale the rewards down, or give 'advantage'"
+                )
             samples[i] = dataclasses.replace(samples[i], advantage=advantage)
     return samples
 

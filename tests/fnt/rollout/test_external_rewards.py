@@ -92,6 +92,8 @@ def test_the_advantages_come_from_the_whole_file_before_the_rank_split(tmp_path)
         ([single(1.0, group="g"), single(0.0)], 2, r"line 2: no 'group', but other lines give"),
         ([single(1.0, group=[1]), single(0.0)], 2, r"line 1: 'group' must be a string or an int"),
         ([single(float("nan")), single(0.0)], 2, r"line 1: 'reward' must be a finite number"),
+        # Finite rewards whose advantage overflows float32 (without std_normalize, below).
+        ([single(0.0), single(1e39)], 2, r"line 1: the advantage fnt computes from its 'reward'"),
         (
             [json.dumps({"prompt_ids": [1], "completion_ids": [2]})],
             1,
@@ -101,7 +103,7 @@ def test_the_advantages_come_from_the_whole_file_before_the_rank_split(tmp_path)
 )
 def test_each_wrong_way_to_give_rewards_is_a_located_error(tmp_path, lines, group_size, message):
     with pytest.raises(DataError, match=r"step_1/samples.jsonl(, line \d+)?:? ?.*" + message):
-        advantages_of(tmp_path, lines, group_size=group_size)
+        advantages_of(tmp_path, lines, group_size=group_size, std_normalize=False)
 
 
 def test_the_engine_trains_reward_only_samples_with_the_computed_advantages(
