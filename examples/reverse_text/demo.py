@@ -30,13 +30,18 @@ TINY_MODEL = "--hidden-size 128 --intermediate-size 256 --layers 2 --heads 4 --k
 
 
 def script_env() -> dict[str, str]:
-    """The environment of the scripts: one OpenMP thread unless OMP_NUM_THREADS says otherwise.
+    """The environment of the scripts: one OpenMP thread unless OMP_NUM_THREADS says otherwise,
+    and the repository on the path (the environments' module, examples.reverse_text).
 
     The trainer takes runtime.num_threads from the configs; this is for the other scripts. The
     models are tiny, and on a 2-core machine shared with other processes two threads stall each
     other (the eval took 75 s instead of 8 s).
     """
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def run(*args: str) -> None:
@@ -44,9 +49,8 @@ def run(*args: str) -> None:
     subprocess.run([sys.executable, *args], cwd=REPO, env=script_env(), check=True)
 
 
-def evaluate(model: Path, data: Path) -> float:
-    """Mean held-out similarity of `model`, as eval.py's last line reports it."""
-    args = [str(HERE / "eval.py"), "--model", str(model), "--data", str(data / "heldout.jsonl")]
+def last_json(*args: str) -> dict:
+    """Run a repository script as `run` does, its output printed too; its last line's JSON."""
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=REPO,
@@ -56,7 +60,20 @@ def evaluate(model: Path, data: Path) -> float:
         check=True,
     )
     print(proc.stdout, end="", flush=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])["similarity"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def export_last(run_dir: Path, out: Path) -> None:
+    """Export the last checkpoint of the run in `run_dir` (its max_steps) to `out`."""
+    steps = json.loads((run_dir / "config.json").read_text())["max_steps"]
+    checkpoint = run_dir / "checkpoints" / f"step_{steps}"
+    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(out))
+
+
+def evaluate(model: Path, data: Path) -> float:
+    """Mean held-out similarity of `model`, as eval.py's last line reports it."""
+    heldout = str(data / "heldout.jsonl")
+    return last_json(str(HERE / "eval.py"), "--model", str(model), "--data", heldout)["similarity"]
 
 
 def rl_with_vllm(rl_run: list[str], rl_config: list[str], log: Path, vllm: str | None) -> None:
@@ -95,9 +112,7 @@ def rl_stage(
         rl_with_vllm(rl_run, rl_config, rl_dir.parent / "vllm-server.log", vllm)
     else:
         run(*rl_run)
-    rl_steps = json.loads((rl_dir / "config.json").read_text())["max_steps"]
-    checkpoint = rl_dir / "checkpoints" / f"step_{rl_steps}"
-    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(rl_hf))
+    export_last(rl_dir, rl_hf)
     return evaluate(rl_hf, data)
 
 
@@ -110,9 +125,7 @@ def dpo_stage(sft_hf: Path, data: Path, dpo_dir: Path, dpo_hf: Path, *, seed: in
     args += ["--output-dir", str(dpo_dir), "--data.sources", sources]
     args += ["--val.sources", val, "--val.interval", "20"]
     run("scripts/dpo.py", *args)
-    steps = json.loads((dpo_dir / "config.json").read_text())["max_steps"]
-    checkpoint = dpo_dir / "checkpoints" / f"step_{steps}"
-    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(dpo_hf))
+    export_last(dpo_dir, dpo_hf)
     return evaluate(dpo_hf, data)
 
 
@@ -158,9 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     sources = json.dumps([{"path": str(data / "sft.jsonl")}])
     sft_args = ["--model.name", str(model), "--output-dir", str(sft_dir), "--data.sources", sources]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
-    sft_steps = json.loads((sft_dir / "config.json").read_text())["max_steps"]
-    checkpoint = sft_dir / "checkpoints" / f"step_{sft_steps}"
-    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(sft_hf))
+    export_last(sft_dir, sft_hf)
     result["sft_after"] = evaluate(sft_hf, data)
     seconds["sft"] = time.time() - started - sum(seconds.values())
 

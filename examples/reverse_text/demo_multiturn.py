@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from examples.reverse_text.demo import TINY_MODEL  # noqa: E402
+from examples.reverse_text.demo import TINY_MODEL, export_last, last_json, run  # noqa: E402
 from examples.reverse_text.environments import (  # noqa: E402
     hidden_word,
     hint,
@@ -66,31 +64,6 @@ TOOL_SFT_STEPS = 40
 TOOL_RL_STEPS = 40
 # The tool task's hidden words: disjoint between held-out prompts, SFT transcripts and RL prompts.
 TOOL_WORDS = {"heldout": 200, "sft": 2000, "rl": 2000}
-
-
-def script_env() -> dict[str, str]:
-    """One OpenMP thread (as demo.py) and the repository on the path (the environment's
-    module)."""
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-
-
-def run(*args: str, capture: bool = False) -> str:
-    """Run a repository script with this interpreter; its stdout (printed too)."""
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=script_env(),
-        check=True,
-        stdout=subprocess.PIPE if capture else None,
-        text=True,
-    )
-    if capture:
-        print(proc.stdout, end="", flush=True)
-    return proc.stdout or ""
 
 
 def wrong_answer(rng: random.Random, truth: str) -> str:
@@ -147,14 +120,7 @@ def evaluate(model: Path, data: Path, environment: str = "feedback") -> dict:
     """Held-out episodes of `model` (eval_episodes.py's last line)."""
     heldout = data / ("heldout.jsonl" if environment == "feedback" else "tool_heldout.jsonl")
     args = [str(HERE / "eval_episodes.py"), "--model", str(model), "--data", str(heldout)]
-    stdout = run(*args, "--environment", environment, capture=True)
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
-def export(run_dir: Path, out: Path) -> None:
-    steps = json.loads((run_dir / "config.json").read_text())["max_steps"]
-    checkpoint = run_dir / "checkpoints" / f"step_{steps}"
-    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(out))
+    return last_json(*args, "--environment", environment)
 
 
 def tool_stages(
@@ -172,7 +138,7 @@ def tool_stages(
     sft_args = ["--model.name", str(sft_hf), "--output-dir", str(sft_dir), "--seed", str(seed)]
     sft_args += ["--data.sources", sources, "--max-steps", str(sft_steps)]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args)
-    export(sft_dir, sft_out)
+    export_last(sft_dir, sft_out)
     result["tool_sft"] = evaluate(sft_out, data, "lookup_tool")
     seconds = {"tool_sft": time.time() - started}
 
@@ -186,7 +152,7 @@ def tool_stages(
     rl_args += ["--batch-size", "64", "--micro-batch-size", "8"]
     rl_args += ["--max-steps", str(rl_steps), "--schedule.warmup-steps", "10"]
     run("scripts/rl.py", *rl_args)
-    export(rl_dir, rl_out)
+    export_last(rl_dir, rl_out)
     result["tool_rl"] = evaluate(rl_out, data, "lookup_tool")
     seconds["tool_rl"] = time.time() - started - seconds["tool_sft"]
     return result, seconds
@@ -224,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_args = ["--model.name", str(model), "--output-dir", str(sft_dir), "--data.sources", sources]
     sft_args += ["--data.train-turns", "last", "--max-steps", str(args.sft_steps)]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
-    export(sft_dir, sft_hf)
+    export_last(sft_dir, sft_hf)
     result = {"sft": evaluate(sft_hf, data)}
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
@@ -237,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
         rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
         run("scripts/rl.py", *rl_args)
-        export(rl_dir, rl_hf)
+        export_last(rl_dir, rl_hf)
         result["rl"] = evaluate(rl_hf, data)
         seconds["rl"] = time.time() - started - sum(seconds.values())
 

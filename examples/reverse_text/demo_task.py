@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from examples.reverse_text.demo import TINY_MODEL, run, script_env  # noqa: E402
+from examples.reverse_text.demo import TINY_MODEL, export_last, last_json, run  # noqa: E402
 
 TASK = "spell_backward"
 # Words of 4-10 letters, the lengths of the SFT strings.
@@ -50,23 +49,7 @@ def evaluate(model: Path) -> dict:
     args += [f"--param={p}" for p in PARAMS]
     args += ["--size", str(SIZE), "--val-size", str(VAL_SIZE), "--answer", "text"]
     args += ["--max-new-tokens", str(MAX_NEW_TOKENS)]
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=script_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-    )
-    print(proc.stdout, end="", flush=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def export(run_dir: Path, out: Path) -> None:
-    """Export the run's last checkpoint to `out`."""
-    steps = json.loads((run_dir / "config.json").read_text())["max_steps"]
-    checkpoint = run_dir / "checkpoints" / f"step_{steps}"
-    run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(out))
+    return last_json(*args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_args = ["--model.name", str(model), "--output-dir", str(sft_dir), "--data.sources", sources]
     sft_args += ["--max-steps", str(args.sft_steps)]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
-    export(sft_dir, sft_hf)
+    export_last(sft_dir, sft_hf)
     before = evaluate(sft_hf)
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
@@ -111,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     rl_args += ["--rollout.on-truncated", "zero"]
     rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
     run("scripts/rl.py", *rl_args)
-    export(rl_dir, rl_hf)
+    export_last(rl_dir, rl_hf)
     after = evaluate(rl_hf)
     seconds["rl"] = time.time() - started - sum(seconds.values())
 
