@@ -42,7 +42,7 @@ under --work first (about a minute) unless --model names a model that ends its t
 seconds per step (rollout, update), sampled and context tokens per step, and two rates of the
 whole step: sampled tokens/s, and all tokens/s (sampled and context: every token the rollout
 reads and the update trains); each ratio is single-turn over multi-turn (target: at most 1.3).
-Measured on 2 shared CPU cores (README, "Running RL"): 2.1-2.2 on sampled tokens, 1.24-1.27 on
+Measured on 2 shared CPU cores (README, "Running RL"): 2.0-2.2 on sampled tokens, 1.14-1.27 on
 all tokens. A 3-turn episode of this task carries 9 context tokens (prompt, hints, template
 text) per sampled token against 4.9 for one turn; per token, multi-turn costs about 1.25x,
 because its rollout decodes three turns one after another, 64 sequences at a time against 144,
