@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The native CPU AdamW kernel, compiled into its cache now rather than by the first test or run
 # that uses it (it takes about 20 s); rebuilt when its source changes.
-$(VENV)/.native: $(VENV)/.installed native/adamw.cpp native/build.py
+$(VENV)/.native: $(VENV)/.installed fnt/native/adamw.cpp fnt/native/build.py
 	$(PY) -c "from fnt.native.build import load; load()"
 	touch $@
 

@@ -21,9 +21,8 @@ API_BLOCK = re.compile(r"(<!-- api:start -->\n).*?(<!-- api:end -->)", re.S)
 RESUME_BLOCK = re.compile(r"(<!-- resume-policy:start -->\n).*?(<!-- resume-policy:end -->)", re.S)
 LAYOUT_BLOCK = re.compile(r"(<!-- layout:start -->\n).*?(<!-- layout:end -->)", re.S)
 MODULES_BLOCK = re.compile(r"(<!-- modules:start -->\n).*?(<!-- modules:end -->)", re.S)
-# The folders of Python code: the library (fnt.native's sources live in the top-level native/),
-# and the step functions.
-CODE_FOLDERS = ("fnt", "native", "steps")
+# The folders of Python code: the library and the step functions.
+CODE_FOLDERS = ("fnt", "steps")
 CORE = (
     "the core: the records, the fold and the driver, the step kit, the run's start, "
     "checkpoints and resume"

@@ -1,5 +1,6 @@
 """The wheel ships the native kernel's source and the `fnt` command, and a non-editable install of
-it builds and runs the kernel outside the repository."""
+it builds and runs the kernel outside the repository; a checkout imports every package without
+an install (a bare GPU machine runs the checkout through PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -70,21 +71,14 @@ def test_the_wheel_ships_the_kernel_source_and_the_fnt_command(wheel):
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         scripts = configparser.ConfigParser()
         scripts.read_string(z.read(entry_points).decode())
-    # The kernel's sources live in the top-level native/ and ship as fnt.native: the wheel adds
-    # no import name beside fnt and steps.
     assert {"fnt/native/adamw.cpp", "fnt/native/build.py", "fnt/__main__.py"} <= names
     assert {n.split("/")[0] for n in names if "dist-info" not in n} == {"fnt", "steps"}
     assert "fnt/model/tiny_model.py" in names  # the tests' and the demo's models come from it
     assert scripts["console_scripts"]["fnt"] == "fnt.__main__:main"
     # Nothing but the sources of this tree: no module a rename left behind in a build dir.
     modules = {n for n in names if n.endswith(".py")}
-    missing = [n for n in modules if not (REPO / source_path(n)).is_file()]
+    missing = [n for n in modules if not (REPO / n).is_file()]
     assert missing == []
-
-
-def source_path(wheel_name: str) -> str:
-    """Where a file of the wheel comes from in this tree (pyproject.toml's package-dir)."""
-    return wheel_name.replace("fnt/native/", "native/", 1)
 
 
 def test_pyproject_lists_every_package_of_the_tree():
@@ -95,8 +89,26 @@ def test_pyproject_lists_every_package_of_the_tree():
         for top in ("fnt", "steps")
         for init in (REPO / top).rglob("__init__.py")
     }
-    assert (REPO / "native" / "__init__.py").is_file()
-    assert listed == found | {"fnt.native"}
+    assert listed == found
+
+
+def test_a_checkout_imports_every_package_through_pythonpath_alone(tmp_path):
+    """-S: no site-packages, so no editable install's finder; only the checkout on the path."""
+    code = (
+        "import fnt.native.build, fnt.optim, steps, fnt.model.attention; "
+        "print(fnt.native.build.SOURCE)"
+    )
+    site_packages = sysconfig.get_paths()["purelib"]
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", f"import sys; sys.path += [{site_packages!r}]; {code}"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Path(out.stdout.strip()) == REPO / "fnt" / "native" / "adamw.cpp"
 
 
 @pytest.mark.slow

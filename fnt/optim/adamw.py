@@ -58,7 +58,7 @@ def adamw_reference_(
 
     Increments each ``steps`` counter. Where ``masters[i]`` is a tensor the update runs on it and
     ``params[i]`` receives the rounded result; otherwise ``params[i]`` (float32) is updated.
-    Rounding matches the kernel step for step (see native/adamw.cpp), including the last
+    Rounding matches the kernel step for step (see fnt/native/adamw.cpp), including the last
     ``numel % 8`` elements in memory order, where torch's fused kernel, and so ours, forms a
     different fma for ``exp_avg_sq``.
     """

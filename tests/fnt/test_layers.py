@@ -55,14 +55,13 @@ COMPOSITION_ROOT = "fnt.build"
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the fnt package, by name (fnt.native lives in the top-level native/)."""
+    """Every module of the fnt package, by name."""
     files = {}
-    for base, package in ((ROOT / "fnt", "fnt"), (ROOT / "native", "fnt.native")):
-        for path in base.rglob("*.py"):
-            parts = [package, *path.relative_to(base).with_suffix("").parts]
-            if parts[-1] == "__init__":
-                parts.pop()
-            files[".".join(parts)] = path
+    for path in (ROOT / "fnt").rglob("*.py"):
+        parts = ["fnt", *path.relative_to(ROOT / "fnt").with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = path
     return files
 
 
