@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNS ?= runs
 
-.PHONY: setup demo demo-multiturn demo-task test test-slow test-numerics test-vllm vllm-env verifiers-env test-verifiers test-vllm-verifiers bench lint clean
+.PHONY: setup demo demo-multiturn demo-task test test-slow test-numerics test-vllm vllm-env verifiers-env test-verifiers test-vllm-verifiers bench lint clean gpu-wheels
 
 setup: $(VENV)/.installed $(VENV)/.native
 
@@ -89,6 +89,23 @@ test-vllm-verifiers: setup vllm-env verifiers-env
 
 lint: setup
 	$(VENV)/bin/ruff check fnt steps scripts tests
+
+# The wheels scripts/gpu_check.sh installs offline on a lent GPU machine (Python 3.12, x86-64,
+# torch and transformers 5.17 in its image, no registry): the packages that fnt, its benchmarks
+# and TRL need and that image lacks, each pinned and without its dependencies (the image has
+# the rest). marshmallow < 4 for dataclasses-json; datasets 5.0 keeps huggingface-hub < 2 (as
+# transformers 5.17 does) and asks for dill < 0.4.2 and multiprocess < 0.70.20. Carry
+# .gpu-wheels/ with the working tree to that machine.
+GPU_WHEELS ?= .gpu-wheels
+GPU_WHEEL_PYTHON ?= 3.12
+GPU_WHEEL_PINS = dataclasses-json==0.6.7 marshmallow==3.26.2 trl==1.16.0 datasets==5.0.0 \
+	dill==0.4.1 multiprocess==0.70.19
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	ls -l $(GPU_WHEELS)
 
 clean:
 	rm -rf $(RUNS) .pytest_cache
