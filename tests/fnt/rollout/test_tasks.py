@@ -10,7 +10,6 @@ import re
 from collections import Counter
 
 import pytest
-import reasoning_gym  # the tasks extra, which `make setup` installs with the dev one
 
 from fnt.apps.preflight import require_episodes
 from fnt.batch import DataPosition
@@ -23,6 +22,14 @@ from fnt.rollout.prompts import prompt_order, source_prompts, step_prompts
 from .test_environments import episodes_of
 
 
+@pytest.fixture
+def reasoning_gym():
+    """The real package, the tasks extra (which `make setup` installs with the dev one): imported
+    here rather than at the top, so that the module collects where it is not installed (the GPU
+    check's `pytest -m gpu` collects every module)."""
+    return importlib.import_module("reasoning_gym")
+
+
 def rollout(environment="reasoning_gym:spell_backward", **settings) -> RolloutConfig:
     return RolloutConfig(environment=environment, reasoning_gym=ReasoningGymConfig(**settings))
 
@@ -32,7 +39,7 @@ def train_records(config: RolloutConfig):
     return [r for source in environment.prompt_sources("train") for r in source.records]
 
 
-def test_prompts_are_reasoning_gyms_items_of_the_seed_and_the_same_every_time():
+def test_prompts_are_reasoning_gyms_items_of_the_seed_and_the_same_every_time(reasoning_gym):
     first = train_records(rollout(seed=7, size=30))
     again = train_records(rollout(seed=7, size=30))
     other = train_records(rollout(seed=8, size=30))
@@ -46,7 +53,9 @@ def test_prompts_are_reasoning_gyms_items_of_the_seed_and_the_same_every_time():
 
 
 @pytest.mark.parametrize("answer", ["text", "tag"])
-def test_the_reward_is_the_tasks_own_score_of_the_extracted_answer(tokenizer, answer):
+def test_the_reward_is_the_tasks_own_score_of_the_extracted_answer(
+    tokenizer, answer, reasoning_gym
+):
     config = rollout(size=3, answer=answer)
     environment, _ = environment_of(config)
     records = train_records(config)
@@ -75,7 +84,9 @@ def test_the_reward_is_the_tasks_own_score_of_the_extracted_answer(tokenizer, an
     assert groups[0][0] == 1.0 and 0 < groups[0][1] < 1 and groups[0][2] == 0.0
 
 
-def test_the_held_out_split_comes_after_the_training_seeds_without_their_questions():
+def test_the_held_out_split_comes_after_the_training_seeds_without_their_questions(
+    reasoning_gym,
+):
     # 3-letter words are few, so the held-out seeds repeat training questions that must go.
     settings = dict(seed=5, size=300, val_size=40)
     config = RolloutConfig(
