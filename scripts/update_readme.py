@@ -1,7 +1,11 @@
-"""Regenerate the generated parts of README.md and docs/design.md (writes both): the config
-keys, from the config dataclasses, the resume policy, from `fnt.resume.RESUME_POLICY`, the
-public API, from the docstrings of what `fnt` exports, and the layout, from the folders and the
-docstrings of their packages and modules."""
+"""Regenerate the generated tables of README.md and docs/ (writes each page that holds one,
+`PAGES`): the layout (README), from the folders and the docstrings of their packages and
+modules; the config keys, from the config dataclasses, and the TRL/transformers names, from
+`fnt.config.aliases.ALIASES` (docs/configuration.md); the resume policy, from
+`fnt.resume.RESUME_POLICY` (docs/run-directory.md); the public API, from the docstrings of what
+`fnt` exports (docs/api.md); every module (docs/design.md).
+
+A table sits between `<!-- NAME:start -->` and `<!-- NAME:end -->`; what is between is replaced."""
 
 from __future__ import annotations
 
@@ -15,12 +19,19 @@ from fnt.config import markdown_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DESIGN = ROOT / "docs" / "design.md"
-KEYS_BLOCK = re.compile(r"(<!-- config-keys:start -->\n).*?(<!-- config-keys:end -->)", re.S)
-API_BLOCK = re.compile(r"(<!-- api:start -->\n).*?(<!-- api:end -->)", re.S)
-RESUME_BLOCK = re.compile(r"(<!-- resume-policy:start -->\n).*?(<!-- resume-policy:end -->)", re.S)
-LAYOUT_BLOCK = re.compile(r"(<!-- layout:start -->\n).*?(<!-- layout:end -->)", re.S)
-MODULES_BLOCK = re.compile(r"(<!-- modules:start -->\n).*?(<!-- modules:end -->)", re.S)
+DOCS = ROOT / "docs"
+DESIGN = DOCS / "design.md"
+CONFIGURATION = DOCS / "configuration.md"
+RUN_DIRECTORY = DOCS / "run-directory.md"
+API = DOCS / "api.md"
+# Each page and the generated tables it holds (each table in one page only).
+PAGES = {
+    README: ("layout",),
+    CONFIGURATION: ("aliases", "config-keys"),
+    RUN_DIRECTORY: ("resume-policy",),
+    API: ("api",),
+    DESIGN: ("modules",),
+}
 # The folders of Python code: the library and the step functions.
 CODE_FOLDERS = ("fnt", "steps")
 CORE = (
@@ -107,6 +118,25 @@ def markdown_api() -> str:
     return "\n".join(lines)
 
 
+def markdown_aliases() -> str:
+    """configuration.md's table of the names TRL and transformers use, and fnt's key for each."""
+    from fnt.config.aliases import ALIASES
+
+    lines = ["| their name | fnt's key | how fnt differs |", "| --- | --- | --- |"]
+    for alias, (key, note) in ALIASES.items():
+        target = f"`{key}`" if key else "(none)"
+        lines.append(f"| `{alias}` | {target} | {note} |")
+    return "\n".join(lines)
+
+
+def markdown_config_keys() -> str:
+    note = (
+        "Keys of the `loss` and `rollout` sections apply to `fnt rl` only, those of the `dpo` "
+        "section to `fnt dpo` only.\n\n"
+    )
+    return note + markdown_keys()
+
+
 def markdown_resume_policy() -> str:
     from fnt.resume import POLICY_MEANINGS, RESUME_POLICY
 
@@ -117,23 +147,31 @@ def markdown_resume_policy() -> str:
     return "\n".join(lines)
 
 
+GENERATORS = {
+    "layout": markdown_layout,
+    "aliases": markdown_aliases,
+    "config-keys": markdown_config_keys,
+    "resume-policy": markdown_resume_policy,
+    "api": markdown_api,
+    "modules": markdown_modules,
+}
+"""Each generated table by the name of its block."""
+
+
+def block(name: str) -> re.Pattern:
+    return re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
+
+
 def with_tables(text: str) -> str:
-    note = (
-        "Keys of the `loss` and `rollout` sections apply to `fnt rl` only, those of the `dpo` "
-        "section to `fnt dpo` only.\n\n"
-    )
-    text = KEYS_BLOCK.sub(lambda m: m.group(1) + note + markdown_keys() + "\n" + m.group(2), text)
-    text = RESUME_BLOCK.sub(
-        lambda m: m.group(1) + markdown_resume_policy() + "\n" + m.group(2), text
-    )
-    text = LAYOUT_BLOCK.sub(lambda m: m.group(1) + markdown_layout() + "\n" + m.group(2), text)
-    return API_BLOCK.sub(lambda m: m.group(1) + markdown_api() + "\n" + m.group(2), text)
-
-
-def with_modules(text: str) -> str:
-    return MODULES_BLOCK.sub(lambda m: m.group(1) + markdown_modules() + "\n" + m.group(2), text)
+    """`text` with every generated table it holds regenerated (the others are not computed)."""
+    for name, generate in GENERATORS.items():
+        pattern = block(name)
+        if pattern.search(text):
+            table = generate()
+            text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+    return text
 
 
 if __name__ == "__main__":
-    README.write_text(with_tables(README.read_text()))
-    DESIGN.write_text(with_modules(DESIGN.read_text()))
+    for page in PAGES:
+        page.write_text(with_tables(page.read_text()))
