@@ -125,14 +125,15 @@ def fnt_config(task: list[str], out: Path, async_level: int, *extra: str):
 class Bare:
     """The bare GRPO loop on its own copy of the model."""
 
-    def __init__(self, config, model_dir: Path) -> None:
+    def __init__(self, config, model_dir: Path, device: torch.device) -> None:
         from transformers import AutoModelForCausalLM
 
         from fnt.model.tokenizer import load_tokenizer
         from fnt.rollout.rewards import reward_function
 
-        self.config, self.rollout = config, config.rollout
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+        self.config, self.rollout, self.device = config, config.rollout, device
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.to(device).train()
         self.tokenizer = load_tokenizer(str(model_dir))
         self.reward_fn = reward_function(self.rollout.reward)
         optim = config.optim
@@ -152,10 +153,12 @@ class Bare:
         width = max(len(p.token_ids) for p in prompts)
         pad = tok.pad_token_id
         ids = torch.tensor(
-            [[pad] * (width - len(p.token_ids)) + list(p.token_ids) for p in prompts]
+            [[pad] * (width - len(p.token_ids)) + list(p.token_ids) for p in prompts],
+            device=self.device,
         )
         attention = torch.tensor(
-            [[0] * (width - len(p.token_ids)) + [1] * len(p.token_ids) for p in prompts]
+            [[0] * (width - len(p.token_ids)) + [1] * len(p.token_ids) for p in prompts],
+            device=self.device,
         )
         torch.manual_seed(seed)
         sequences = self.model.generate(
@@ -186,6 +189,7 @@ class Bare:
         advantages = (rewards - rewards.mean(1, keepdim=True)) / (
             rewards.std(1, unbiased=False, keepdim=True) + 1e-6
         )
+        advantages = advantages.to(self.device)
         rolled = time.perf_counter()
 
         attention = torch.cat([attention.repeat_interleave(group, 0), completion_mask.long()], 1)
@@ -201,6 +205,8 @@ class Bare:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the update's kernels done, as fnt's metrics sync
         return rolled - started, time.perf_counter() - rolled, float(rewards.mean())
 
 
@@ -295,7 +301,7 @@ def compare_with_bare(args, task: list[str], model: Path, work: Path) -> dict:
     runtime = setup_trainer(config)  # one torch thread, as the demo's runtime.num_threads
     state = init_state(config, runtime)
     engine = state.handles.rollouts
-    bare = Bare(config, model)
+    bare = Bare(config, model, state.handles.runtime.device)  # fnt's: CUDA where there is one
 
     times = {k: [] for k in ("fnt_rollout", "fnt_update", "bare_rollout", "bare_update")}
     staleness = []

@@ -1,6 +1,8 @@
-"""The CPU-runnable parts of scripts/gpu_check.sh: the script parses, names only files that exist,
-and its throughput run works end to end at a tiny shape; the memory benchmark (slow) prints its
-JSON line."""
+"""scripts/gpu_check.sh and what it runs, on CPU: the script parses, is one call whose parts'
+time limits fit a lent machine's ten minutes, installs its wheels offline and names only files
+that exist; the peers benchmark and the profiled steps work end to end at their --tiny settings
+(about 15 and 6 s), and their pure parts (the rows, the trace's counts) hold. The benchmarks
+it ran before (throughput, memory, compile) keep their tiny runs (slow)."""
 
 from __future__ import annotations
 
@@ -14,33 +16,99 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 
 def test_the_gpu_check_parses_and_runs_existing_parts():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     text = SCRIPT.read_text()
-    for path in re.findall(r"scripts/\w+\.py", text):
+    scripts = set(re.findall(r"scripts/\w+\.py", text))
+    for path in scripts:
         assert (REPO / path).is_file(), path
-    assert '-m "gpu and not vllm"' in text  # the gpu-marked tests are the first part
-    assert '-m "gpu and vllm"' in text and "bench_rl.py --engine vllm" in text
+    assert {"scripts/bench_peers.py", "scripts/profile_step.py"} <= scripts
+    assert '-m "gpu and not vllm"' in text  # the gpu-marked tests, vLLM's left out
+    assert '"gpu and vllm"' not in text and "--engine vllm" not in text  # no vLLM part
+    assert "FNT_GPU_CHECK_TINY=1" in text.split("set -uo pipefail")[0]  # the dry run, documented
 
 
-def test_each_call_of_the_gpu_check_fits_a_lent_machines_ten_minutes(tmp_path):
-    """A lent GPU machine runs one command for at most 10 minutes: the time limits of each part
-    (main, vllm) add up to 9 at most, and another part name is refused."""
+def test_the_gpu_check_is_one_call_that_fits_a_lent_machines_ten_minutes():
+    """A lent GPU machine runs one command for at most 10 minutes: every part runs under
+    run_part's limit (nothing under a timeout of its own), and the limits add up to 9 at most;
+    the headline, the peers at seq_len 8192, comes first."""
     text = SCRIPT.read_text()
-    main, vllm = text.split('elif [ "$PART" = vllm ]', 1)
-    main = main.split('if [ "$PART" = main ]', 1)[1]
-    for part in (main, vllm.split("\nelse\n")[0]):
-        limits = [int(n) for n in re.findall(r"\btimeout (\d+) ", part)]
-        assert limits and sum(limits) <= 9 * 60, limits
-    out = subprocess.run(
-        ["bash", str(SCRIPT), str(tmp_path / "out"), "all"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 2 and "the part is main or vllm, not 'all'" in out.stderr
+    parts = re.findall(r"^run_part (\w+) (\d+) ", text, flags=re.M)
+    assert parts and parts[0][0] == "peers_8192", parts
+    assert sum(int(seconds) for _, seconds in parts) <= 9 * 60, parts
+    assert len({name for name, _ in parts}) == len(parts)
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    timeouts = [line for line in code if re.search(r"(?<![-\w])timeout ", line)]
+    assert timeouts == ['  timeout -s KILL "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"']
+
+
+def test_the_gpu_check_installs_its_wheels_offline_and_imports_the_checkout():
+    text = SCRIPT.read_text()
+    install = next(line for line in text.splitlines() if "pip install" in line)
+    for flag in ("--no-index", "--no-deps", "--no-compile", "--target", ".gpu-wheels/*.whl"):
+        assert flag in install, flag
+    assert "SITE=${FNT_GPU_SITE:-/tmp/fnt-site}" in text
+    assert "export PYTHONPATH=$PWD:$SITE" in text
+    makefile = (REPO / "Makefile").read_text()
+    assert "gpu-wheels:" in makefile and "--no-deps" in makefile
+    assert ".gpu-wheels/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_the_peers_rows_are_exactly_seq_len_tokens_of_one_document(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from scripts.bench_peers import write_rows
+
+    chats, token_ids = write_rows(tmp_path, tiny_model_dir, 64, 3)
+    ids = json.loads(token_ids.read_text())
+    records = [json.loads(line) for line in chats.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(ids) == len(records) == 3 and len(set(map(tuple, ids))) == 3
+    for row, record in zip(ids, records):
+        (message,) = record["messages"]
+        assert len(row) == 64
+        assert tokenizer(message["content"], add_special_tokens=False)["input_ids"] == row
+
+
+def test_the_profile_counts_kernels_and_host_syncs_per_step():
+    """scripts/profile_step.py's reading of a CUDA trace: kernels ranked by device time, each
+    sync op, runtime sync and device-to-host copy counted per step, the window's own
+    cudaDeviceSynchronize left out."""
+    from scripts.profile_step import summarize
+
+    def event(cat, name, dur=1.0):
+        return {"ph": "X", "cat": cat, "name": name, "dur": dur}
+
+    events = [
+        *[event("kernel", "gemm", 300.0)] * 4,
+        *[event("kernel", "softmax", 100.0)] * 2,
+        {"ph": "i", "cat": "kernel", "name": "instant"},
+        *[event("cpu_op", "aten::_local_scalar_dense")] * 4,
+        *[event("cpu_op", "aten::item")] * 4,
+        event("cpu_op", "aten::mm"),
+        *[event("cuda_runtime", "cudaStreamSynchronize")] * 4,
+        *[event("cuda_runtime", "cudaDeviceSynchronize")] * 3,
+        *[event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)")] * 2,
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)"),
+    ]
+    summary = summarize(events, steps=2, cpu_ops=[], top=1, cuda=True)
+    assert summary["top_of"] == "kernels by device time"
+    (top,) = summary["top"]
+    assert top["name"] == "gemm" and top["calls_per_step"] == 2
+    assert top["ms_per_step"] == pytest.approx(0.6) and top["share"] == pytest.approx(0.857, 1e-3)
+    assert summary["device_ms_per_step"] == pytest.approx(0.7)
+    per_step = summary["syncs_per_step"]
+    assert per_step["aten::_local_scalar_dense"] == per_step["aten::item"] == 2
+    assert per_step["cudaStreamSynchronize"] == 2 and per_step["cudaDeviceSynchronize"] == 1
+    assert per_step["Memcpy DtoH"] == 1 and per_step["aten::nonzero"] == 0
+    assert summary["host_syncs_per_step"] == 3  # stream + device synchronizes
+    on_cpu = summarize(events[7:16], 2, [("aten::mm", 50.0, 4)], top=15, cuda=False)
+    assert on_cpu["top_of"] == "CPU ops by self time" and on_cpu["top"][0]["name"] == "aten::mm"
+    assert on_cpu["host_syncs_per_step"] == 2  # aten::_local_scalar_dense + aten::nonzero
 
 
 def run_json(*args: str, timeout: float) -> dict:
@@ -49,6 +117,38 @@ def run_json(*args: str, timeout: float) -> dict:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_peers_benchmark_runs_at_a_tiny_shape(tmp_path):
+    """fnt and the bare loop train the same rows: the same first loss; TRL, where this
+    interpreter cannot import it, is a reason string rather than a crash."""
+    result = run_json("scripts/bench_peers.py", "--tiny", "--work", str(tmp_path), timeout=600)
+    assert result["complete"] and result["shape"] == "tiny" and result["seq_len"] == 256
+    assert result["steps"] == 3 and result["warmup"] == 2
+    fnt, bare = result["fnt"], result["bare"]
+    for side in (fnt, bare):
+        assert side["step_s"] > 0 and side["tokens_per_s"] == pytest.approx(256 / side["step_s"])
+        assert side["peak_memory_gib"] > 0 and "mfu" in side
+    assert fnt["loss_first_last"][0] == pytest.approx(bare["loss_first_last"][0], abs=1e-3)
+    assert fnt["attn_implementation"] and "compile" in fnt and fnt["tokens_per_step"] == [256]
+    assert result["fnt_over_bare"] == pytest.approx(
+        fnt["tokens_per_s"] / bare["tokens_per_s"], abs=1e-3
+    )
+    if isinstance(result["trl"], str):
+        assert result["trl"].startswith("not measured") and "fnt_over_trl" not in result
+    else:
+        assert result["trl"]["step_s"] > 0 and result["fnt_over_trl"] > 0
+
+
+def test_the_profiled_steps_run_at_a_tiny_shape(tmp_path):
+    result = run_json("scripts/profile_step.py", "--tiny", "--work", str(tmp_path), timeout=600)
+    assert result["bench"] == "profile_step" and result["device"] == "cpu"
+    assert result["warmup"] == 1 and result["steps"] == 2 and len(result["step_s"]) == 2
+    assert result["top_of"] == "CPU ops by self time" and 0 < len(result["top"]) <= 15
+    assert result["top"][0]["ms_per_step"] >= result["top"][-1]["ms_per_step"] > 0
+    assert set(result["syncs_per_step"]) >= {"aten::_local_scalar_dense", "Memcpy DtoH"}
+    assert result["host_syncs_per_step"] >= 1  # at least the step's metrics coming back
+    assert Path(result["trace"]).is_file()
 
 
 @pytest.mark.slow
