@@ -11,8 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def host_array(t: Tensor) -> np.ndarray:
+    """The values of `t` on the host: a CPU tensor's own memory, read without any torch op; a
+    device tensor is copied back, which waits for the device's queue (a step's batches come
+    from their source on the host, so their checks and layouts cost the device nothing)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 @dataclass(frozen=True)
@@ -49,12 +57,80 @@ class PackedRows:
         if self.loss_mask.dtype != torch.bool:
             raise ValueError(f"loss_mask must be bool, got {self.loss_mask.dtype}")
         # A document's first token has no predecessor inside the document, so it cannot be a target.
-        if bool((self.loss_mask & (self.position_ids == 0)).any()):
+        if (host_array(self.loss_mask) & (host_array(self.position_ids) == 0)).any():
             raise ValueError("loss_mask marks a document's first token (position 0) as a target")
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Where a micro-batch's documents and loss tokens lie, read on the host from the batch as
+    its source built it, so that a step on a device never reads a value back from there (each
+    read stalls the device's queue until everything queued before it has run)."""
+
+    document_lengths: tuple[tuple[int, ...], ...]
+    """Per row, the token count of each of its documents (runs of equal document_ids), in order."""
+    # [N] int64 on the rows' device: the flat positions b * T + t of the logits that predict a
+    # loss token, i.e. where loss_mask[b, t + 1]; row-major, the order of `x[:, 1:][mask]`.
+    loss_index: Tensor
+    # [N] int64 on the rows' device: the sample of each loss token, numbered 0..S-1 over the
+    # micro-batch; a sample is a (row, document) pair with loss tokens, so padding never counts.
+    loss_sample: Tensor
+    num_samples: int
+    """S, the documents of the micro-batch that have loss tokens."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return self.loss_index.shape[0]
+
+    def to(self, device: torch.device) -> RowLayout:
+        """The layout with its index tensors on `device` (copies queued without waiting)."""
+        non_blocking = device.type != "cpu"
+        return dataclasses.replace(
+            self,
+            loss_index=self.loss_index.to(device, non_blocking=non_blocking),
+            loss_sample=self.loss_sample.to(device, non_blocking=non_blocking),
+        )
+
+    @property
+    def one_document_per_row(self) -> bool:
+        return all(len(row) == 1 for row in self.document_lengths)
+
+
+def host_layout(document_ids: np.ndarray, loss_mask: np.ndarray) -> RowLayout:
+    """The RowLayout of host arrays [B, T] (the loss index on the CPU)."""
+    lengths = []
+    for row in document_ids:
+        cuts = np.flatnonzero(row[1:] != row[:-1]) + 1
+        lengths.append(tuple(int(n) for n in np.diff([0, *cuts, row.shape[0]])))
+    predicts = np.zeros(loss_mask.shape, dtype=bool)
+    predicts[:, :-1] = loss_mask[:, 1:]
+    rows = np.arange(document_ids.shape[0])[:, None]
+    # Document ids are below T (every document has a token), so each (row, id) key is unique.
+    keys = (rows * document_ids.shape[1] + document_ids)[:, 1:][loss_mask[:, 1:]]
+    unique, samples = np.unique(keys, return_inverse=True)
+    return RowLayout(
+        document_lengths=tuple(lengths),
+        loss_index=torch.from_numpy(np.flatnonzero(predicts)),
+        loss_sample=torch.from_numpy(samples.reshape(-1).astype(np.int64)),
+        num_samples=len(unique),
+    )
+
+
+def row_layout(rows: PackedRows) -> RowLayout:
+    """The rows' layout: kept from their host copy when `to_device` moved them, else read now
+    (from rows on a device that reads the values back once) and kept with the rows."""
+    layout = rows.__dict__.get("_layout")
+    if layout is None:
+        device = rows.input_ids.device
+        layout = host_layout(host_array(rows.document_ids), host_array(rows.loss_mask))
+        layout = layout.to(device)
+        # Not a field: dataclasses.replace makes rows without it, whose layout is read anew.
+        object.__setattr__(rows, "_layout", layout)
+    return layout
 
 
 def block_causal_mask(document_ids: Tensor) -> Tensor:
@@ -118,7 +194,7 @@ class RLMicroBatch:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
             if not t.is_floating_point():
                 raise ValueError(f"{name} must be floating point, got {t.dtype}")
-        if bool((self.temperatures[self.rows.loss_mask] <= 0).any()):
+        if (host_array(self.temperatures)[host_array(self.rows.loss_mask)] <= 0).any():
             raise ValueError("temperatures must be > 0 on loss tokens")
         if len(self.sample_lengths) != shape[0]:
             raise ValueError(
@@ -172,12 +248,12 @@ class PairMicroBatch:
                 f"sequence_ids must be int64 of shape {tuple(shape)}, got "
                 f"{self.sequence_ids.dtype} {tuple(self.sequence_ids.shape)}"
             )
-        targets = self.sequence_ids[self.rows.loss_mask]
-        if bool((targets < 0).any()) or bool((targets >= 2 * self.num_pairs).any()):
+        targets = host_array(self.sequence_ids)[host_array(self.rows.loss_mask)]
+        if (targets < 0).any() or (targets >= 2 * self.num_pairs).any():
             raise ValueError(f"a loss token lies outside the {self.num_pairs} pairs' sequences")
-        sides = torch.bincount(targets, minlength=2 * self.num_pairs)
-        if bool((sides == 0).any()):
-            empty = int((sides == 0).nonzero()[0])
+        sides = np.bincount(targets, minlength=2 * self.num_pairs)
+        if (sides == 0).any():
+            empty = int(np.flatnonzero(sides == 0)[0])
             side = ("chosen", "rejected")[empty % 2]
             raise ValueError(f"pair {empty // 2}: its {side} side has no loss token")
         if self.ref_logps is not None and tuple(self.ref_logps.shape) != (self.num_pairs, 2):
@@ -242,12 +318,20 @@ def first_bad_token(batch: SftBatch | RLBatch | PairBatch, vocab_size: int) -> O
 
 
 def to_device(obj, device: torch.device):
-    """A copy of a batch dataclass with every tensor field (nested too) moved to `device`."""
+    """A copy of a batch dataclass with every tensor field (nested too) moved to `device`;
+    packed rows keep the layout read from their host copy (`row_layout`).
+
+    The copies are non-blocking: a copy from host memory that is not pinned is staged at once
+    and queued, without waiting for the device's queue to drain."""
     changes = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, Tensor):
-            changes[f.name] = value.to(device)
+            # Non-blocking to a device only: a copy to the host must be complete when read.
+            changes[f.name] = value.to(device, non_blocking=device.type != "cpu")
         elif dataclasses.is_dataclass(value):
             changes[f.name] = to_device(value, device)
-    return dataclasses.replace(obj, **changes)
+    moved = dataclasses.replace(obj, **changes)
+    if isinstance(obj, PackedRows):
+        object.__setattr__(moved, "_layout", row_layout(obj).to(device))
+    return moved

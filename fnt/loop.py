@@ -16,6 +16,7 @@ from fnt.build import save_state_
 from fnt.checkpoint import should_checkpoint
 from fnt.config import Config
 from fnt.faults import fault_point
+from fnt.obs.metrics import to_floats
 from fnt.rows import RowBuilder
 from fnt.run_context import RunContext
 from fnt.sources import BatchSource
@@ -69,6 +70,9 @@ def run(
             on_state(state)
         started = time.perf_counter()
         for state, metrics in fold(state, source, step_fn, config.max_steps - state.progress.step):
+            # The step's one transfer back from the device: a step function queues its work and
+            # returns, so only once its metrics are here has the step run.
+            metrics = to_floats(metrics)
             step, timing = state.progress.step, {"time/step": time.perf_counter() - started}
             fault_point("step", step, ctx.runtime.rank)
             if on_state is not None:

@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from fnt.batch import PairBatch, PairMicroBatch, to_device
+from fnt.batch import PairBatch, PairMicroBatch, row_layout, to_device
 from fnt.dist.runtime import Runtime
-from fnt.model.lm_head import TokenLogprobs, loss_tokens_of
+from fnt.model.lm_head import TokenLogprobs, at_loss_tokens, loss_tokens_of
 from fnt.model.lora import adapters_disabled
 from fnt.update import forward_loss_tokens, micro_batches_to_run
 
@@ -85,7 +85,7 @@ class PairLogps:
 def sequence_sums(logp: Tensor, mb: PairMicroBatch) -> tuple[Tensor, Tensor]:
     """([P, 2] summed logp, [P, 2] token counts) of each side (chosen, rejected) of the
     micro-batch's pairs, from the logprobs of its loss tokens (in LossTokens order)."""
-    sequence = mb.sequence_ids[:, 1:][mb.rows.loss_mask[:, 1:]]
+    sequence = at_loss_tokens(mb.rows, mb.sequence_ids)
     size = 2 * mb.num_pairs
     sums = logp.new_zeros(size).index_add(0, sequence, logp)
     counts = torch.zeros(size, device=logp.device).index_add(
@@ -165,7 +165,7 @@ def with_reference_logps(
 
     Runs the micro-batches `accumulate_gradients_` will run (the same count on every rank, as
     FSDP2 needs); trailing ones without a loss token on any rank get zeros."""
-    counts = [int(mb.rows.loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
+    counts = [row_layout(mb.rows).num_loss_tokens for mb in batch.micro_batches]
     to_run = micro_batches_to_run(counts, runtime)
     out = []
     for i, mb in enumerate(batch.micro_batches):

@@ -99,6 +99,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "model.compile": MAY_CHANGE,  # the same math; results agree within float rounding
     "model.attn_implementation": MAY_CHANGE,
     "model.loss_chunk_tokens": MAY_CHANGE,
+    "model.loss_kernel": MAY_CHANGE,  # the same math; results agree within float rounding
     "model.lora.rank": FIXED,  # the adapters' shapes, and which parameters a checkpoint holds
     "model.lora.alpha": FIXED,  # scales every adapter's update: another model
     "model.lora.dropout": MAY_CHANGE,

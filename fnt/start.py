@@ -18,8 +18,12 @@ from fnt.checkpoint import checkpoint_problems, read_meta, read_saved_config
 from fnt.config import Config, ConfigError, to_plain
 from fnt.dist.runtime import Runtime
 from fnt.errors import CheckpointError
+from fnt.model.attention import KERNELS, kernel_problem, resolve_kernel
+from fnt.model.compile import compiles
+from fnt.model.lm_head import resolve_loss_kernel
+from fnt.model.loading import compute_dtype_of
 from fnt.model.lora import base_fingerprint
-from fnt.obs.console import ranks_text, rl_summary, say, start_summary
+from fnt.obs.console import kernels_text, ranks_text, rl_summary, say, start_summary
 from fnt.resume import override_lines, reconcile_config, refusal, resolve_resume_step
 from fnt.state import TrainState
 from fnt.store.best import prune_checkpoints_
@@ -51,6 +55,7 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     the run forks there, and what it writes must not collide with, be deleted in favour of, or
     be mixed with the old trajectory's. It then runs the keep_last cleanup.
     """
+    config = with_device_choices(config, runtime.device.type)
     root = ckpt_root(config.output_dir)
     resume_step = resolve_resume_step(config.resume, root)
     if resume_step is not None and config.ckpt.verify:
@@ -103,6 +108,28 @@ def keeps_recorded_steps(config: Config, recorded: Optional[dict]) -> bool:
     )
 
 
+def with_device_choices(config: Config, device_type: str) -> Config:
+    """`config` with model.attn_implementation, model.compile and model.loss_kernel as
+    `device_type` resolves them ("auto" becomes the choice made here), so config.json, every
+    checkpoint and the start-up summary record what ran. Pure."""
+    model = config.model
+    dtype = compute_dtype_of(model)
+    kernel = resolve_kernel(model.attn_implementation, device_type, dtype)
+    problem = kernel_problem(kernel, device_type, dtype) if kernel in KERNELS else None
+    if problem is not None:
+        raise ConfigError(
+            f"'model.attn_implementation' = {kernel!r} cannot run here: it {problem}; "
+            'use "auto" (the fastest kernel that can) or "sdpa"'
+        )
+    chosen = dataclasses.replace(
+        model,
+        attn_implementation=kernel,
+        compile=compiles(model.compile, device_type, model.ac),
+        loss_kernel=resolve_loss_kernel(model.loss_kernel, device_type),
+    )
+    return dataclasses.replace(config, model=chosen)
+
+
 def with_recorded_steps(config: Config, recorded: Optional[dict]) -> Config:
     """`config` with the checkpoint's recorded max_steps when it keeps them
     (`keeps_recorded_steps`); else `config`, and a run with max_epochs resolves them again
@@ -133,11 +160,14 @@ def start_summary_of(state: TrainState) -> list[str]:
     )
     parameters = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    model = config.model
+    kernels = kernels_text(model.attn_implementation, model.compile, model.loss_kernel)
     rollout = getattr(config, "rollout", None)
     if rollout is not None:
         prompts = getattr(state.handles.rollouts, "prompts", None)
         return [
             ranks,
+            kernels,
             *rl_summary(
                 model=config.model.name,
                 parameters=parameters,
@@ -173,6 +203,7 @@ def start_summary_of(state: TrainState) -> list[str]:
         ranks=ranks,
         tokens_per_step=config.batch_size * config.seq_len,
         sources=sources,
+        kernels=kernels,
     )
 
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 import torch
 from torch import Tensor, nn
 
-from fnt.batch import PackedRows, to_device
+from fnt.batch import PackedRows, row_layout, to_device
 from fnt.config import ModelConfig
-from fnt.dist.collectives import all_reduce_max, all_reduce_sum
+from fnt.dist.collectives import all_reduce_max, all_reduce_sum, all_reduce_sums
 from fnt.dist.runtime import Runtime
 from fnt.model.attention import packed_inputs
 from fnt.model.lm_head import (
@@ -33,7 +33,7 @@ from fnt.model.lm_head import (
     loss_tokens_of,
 )
 from fnt.model.moe import moe_metrics, moe_top_k, record_router_logits, router_stats
-from fnt.obs.metrics import merge_metrics
+from fnt.obs.metrics import Elapsed, merge_metrics
 from fnt.optim import set_lr_
 
 if TYPE_CHECKING:
@@ -101,17 +101,13 @@ def step_counts(
 ) -> tuple[StepCounts, list[float]]:
     """The step's global loss tokens, samples and tokens (positions), and the global sums of this
     rank's `extra` values (e.g. a step function's own decision counts): one all-reduce."""
-    local = torch.tensor(
-        [
-            float(sum(int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches)),
-            float(batch.num_samples),
-            float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
-            *map(float, extra),
-        ],
-        dtype=torch.float64,
-        device=runtime.device,
-    )
-    loss_tokens, samples, tokens, *sums = all_reduce_sum(local, runtime.distributed).tolist()
+    local = [
+        float(sum(row_layout(rows_of(mb)).num_loss_tokens for mb in batch.micro_batches)),
+        float(batch.num_samples),
+        float(sum(rows_of(mb).num_tokens for mb in batch.micro_batches)),
+        *map(float, extra),
+    ]
+    loss_tokens, samples, tokens, *sums = all_reduce_sums(local, runtime)
     return StepCounts(loss_tokens, samples, tokens), sums
 
 
@@ -165,15 +161,15 @@ def accumulate_gradients_(
     in chunks of `chunk_tokens` loss tokens (0: from the full logits; model.loss_chunk_tokens).
     Trailing micro-batches that have no loss token on any rank are not run (see
     `micro_batches_to_run`). A micro-batch whose loss is NaN/inf is left out of the loss and
-    counted. In a single process its backward is skipped. Under FSDP2 every rank must run the
-    same backward collectives, so it back-propagates an all-zero surrogate instead, through the
-    head's output and so through every parameter the real loss reaches; should non-finite values
-    still reach the gradients, the global grad norm is non-finite and `optimizer_update_` skips
-    the update. Checking finiteness costs one host sync per micro-batch. `counts` are the step's
-    `step_counts`, when the step function has them already (else they are counted here).
+    counted, decided on the device: it back-propagates zeros through the same graph (so every
+    rank runs the same backward collectives under FSDP2); should non-finite values still reach
+    the gradients (a forward that made NaN activations), the global grad norm is non-finite and
+    `optimizer_update_` skips the update. Nothing is read back from the device: the counts come
+    from the rows' host layouts (fnt.batch.row_layout). `counts` are the step's `step_counts`,
+    when the step function has them already (else they are counted here).
     """
     device, distributed = runtime.device, runtime.distributed
-    loss_tokens_per_mb = [int(rows_of(mb).loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
+    loss_tokens_per_mb = [row_layout(rows_of(mb)).num_loss_tokens for mb in batch.micro_batches]
     if counts is None:
         counts, _ = step_counts(batch, runtime, rows_of)
     loss_tokens, samples, tokens = counts.loss_tokens, counts.samples, counts.tokens
@@ -198,19 +194,19 @@ def accumulate_gradients_(
             stats = router_stats(router_logits, top_k)
             moe_stats = stats if moe_stats is None else moe_stats + stats
         mb_loss, mb_sums = loss_fn(logprobs, mb)
-        if bool(torch.isfinite(mb_loss)):
-            (mb_loss * scale).backward()
-            loss_sum += mb_loss.detach()
-            for key, value in mb_sums.items():
-                sums[key] = sums.get(key, 0.0) + value.detach().float()
-        else:
-            nan_count += 1
-            for key in mb_sums:  # every rank must all-reduce the same keys
-                sums.setdefault(key, torch.zeros((), device=device))
-            if distributed:
-                # Linear in the head's output, so its zero gradient passes no NaN or inf of the
-                # output on to the parameters.
-                (head_out.sum() * 0.0).backward()
+        # Decided on the device, never read back: a non-finite loss adds nothing, and the
+        # gradient that reaches the head's output is exactly zero (the loss's own backward may
+        # turn its zero gradient into NaN, zero times a NaN input), so every rank runs the same
+        # backward and the parameters get zeros from this micro-batch.
+        finite = torch.isfinite(mb_loss)
+        zero = torch.zeros((), dtype=mb_loss.dtype, device=mb_loss.device)
+        head_out.register_hook(lambda grad, finite=finite: torch.where(finite, grad, 0.0))
+        (torch.where(finite, mb_loss, zero) * scale).backward()
+        loss_sum += torch.where(finite, mb_loss.detach(), zero)
+        nan_count += (~finite).float()
+        for key, value in mb_sums.items():
+            value = value.detach().float()
+            sums[key] = sums.get(key, 0.0) + torch.where(finite, value, torch.zeros_like(value))
     keys = sorted(sums)
     reduced = all_reduce_sum(
         torch.stack(
@@ -276,11 +272,28 @@ def optimizer_update_(
         return {"optim/lr": lr, "optim/grad_norm": float("nan"), "optim/skipped": 1.0}
     params = [p for p in model.parameters() if p.requires_grad]
     norm = grad_norm_(params, config.optim.max_norm)
-    finite = bool(torch.isfinite(norm))
-    if finite:
+    found_inf = (~torch.isfinite(norm)).float()
+    if skips_on_device(optimizer, norm):
+        # The fused kernels read found_inf themselves and leave every tensor as it was when it
+        # is 1 (GradScaler's protocol), so the decision is never read back to the host.
+        optimizer.found_inf = found_inf
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not bool(found_inf):  # the one read back of the update
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"optim/lr": lr, "optim/grad_norm": norm, "optim/skipped": 0.0 if finite else 1.0}
+    return {"optim/lr": lr, "optim/grad_norm": norm, "optim/skipped": found_inf}
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer, norm: Tensor) -> bool:
+    """Whether the optimizer can skip a non-finite update on the device: torch's fused
+    optimizers take GradScaler's found_inf, a plain tensor (not a DTensor, hence one process)."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return fused and getattr(optimizer, "_step_supports_amp_scaling", False) and (
+        type(norm) is Tensor
+    )
 
 
 def complete_step_(
@@ -288,7 +301,7 @@ def complete_step_(
     batch: Any,
     totals: StepTotals,
     loss_metrics: Optional[Mapping[str, Any]] = None,
-    fwd_bwd_seconds: Optional[float] = None,
+    fwd_bwd_seconds: Optional[float | Elapsed] = None,
     skip_update: bool = False,
 ) -> tuple[TrainState, dict[str, Any]]:
     """The shared tail of every step: optimizer update, the step's metrics, the successor state.

@@ -22,13 +22,13 @@ fnt.update, the data metrics (data/num_samples counts pairs) from the batch.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 from torch import Tensor
 
 from fnt.batch import PairBatch, PairMicroBatch
 from fnt.model.lm_head import TokenLogprobs
+from fnt.obs.metrics import Elapsed
 from fnt.preference import (
     needs_reference,
     pair_logps,
@@ -63,7 +63,7 @@ def dpo_step(
     `loss(pairs, config) -> [P]` (a preference loss of your own); the metrics stay tensors."""
     batch.check()
     state.check_current()
-    started = time.perf_counter()
+    timer = Elapsed(state.handles.runtime.device)
     config, handles = state.config.dpo, state.handles
     runtime, chunk = handles.runtime, state.config.model.loss_chunk_tokens
     loss = loss or loss_of(config)
@@ -89,5 +89,5 @@ def dpo_step(
         batch,
         totals,
         pair_metrics(totals.sums, totals.samples),
-        time.perf_counter() - started,
+        timer.stop_(),
     )

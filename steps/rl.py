@@ -49,17 +49,19 @@ from fnt.update; the batch's own metrics (reward/mean, ...) are appended there t
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fnt.batch import RLBatch, RLMicroBatch, to_device
+from fnt.batch import RLBatch, RLMicroBatch, host_array, row_layout, to_device
 from fnt.config import RLLossConfig
 from fnt.dist.runtime import Runtime
 from fnt.model.lm_head import TokenLogprobs, loss_tokens_of
+from fnt.model.lm_head import at_loss_tokens as values_at_loss_tokens
 from fnt.model.lora import adapters_disabled
+from fnt.obs.metrics import Elapsed
 from fnt.state import TrainState
 from fnt.update import (
     StepCounts,
@@ -77,7 +79,6 @@ from steps.rl_losses import (
     aggregation_of,
     per_sample,
     ref_kl_k3,
-    sample_ids_of,
     token_loss,
     zero_without_advantages,
 )
@@ -124,12 +125,12 @@ def policy_loss(
 
 def loss_inputs(logprobs: TokenLogprobs, mb: RLMicroBatch) -> LossInputs:
     """The micro-batch's loss tokens as the loss kinds see them (steps/rl_losses.py)."""
-    mask = mb.rows.loss_mask[:, 1:]
 
     def at_loss_tokens(t: Optional[Tensor]) -> Optional[Tensor]:
-        return None if t is None else t[:, 1:][mask].float()
+        return None if t is None else values_at_loss_tokens(mb.rows, t).float()
 
-    sample_ids, num_samples = sample_ids_of(mb.rows.loss_mask, mb.rows.document_ids)
+    layout = row_layout(mb.rows)
+    sample_ids, num_samples = layout.loss_sample, layout.num_samples
     return LossInputs(
         logp=logprobs.logp,
         inference_logprobs=at_loss_tokens(mb.inference_logprobs),
@@ -164,7 +165,7 @@ def reference_logprobs(
     Runs the micro-batches `accumulate_gradients_` will run (the same count on every rank, as
     FSDP2 needs); the trailing ones without a loss token on any rank get zeros.
     """
-    counts = [int(mb.rows.loss_mask[:, 1:].sum()) for mb in batch.micro_batches]
+    counts = [row_layout(mb.rows).num_loss_tokens for mb in batch.micro_batches]
     to_run = micro_batches_to_run(counts, runtime)
     out = []
     for i, mb in enumerate(batch.micro_batches):
@@ -174,7 +175,7 @@ def reference_logprobs(
             tokens = loss_tokens_of(mb.rows, mb.temperatures)
             with adapters_disabled(ref_model):  # a LoRA policy's base is its reference
                 _, logprobs = forward_loss_tokens(ref_model, mb.rows, tokens, chunk_tokens)
-            ref[:, 1:][tokens.mask] = logprobs.logp.float()
+            ref.view(-1).index_copy_(0, tokens.index + 1, logprobs.logp.float())
             if hasattr(ref_model, "reshard"):  # FSDP2 keeps the root unsharded after a forward
                 ref_model.reshard()
         out.append(dataclasses.replace(mb, ref_logprobs=ref))
@@ -240,7 +241,10 @@ def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
 def counts_and_zero_advantage(batch: RLBatch, runtime: Runtime) -> tuple[StepCounts, bool]:
     """The step's global counts and whether every loss token of the step, on every rank, has
     advantage 0: one all-reduce for both, so every rank decides alike."""
-    nonzero = sum(int((mb.advantages[mb.rows.loss_mask] != 0).sum()) for mb in batch.micro_batches)
+    nonzero = sum(
+        int(np.count_nonzero(host_array(mb.advantages)[host_array(mb.rows.loss_mask)]))
+        for mb in batch.micro_batches
+    )
     counts, (total_nonzero,) = step_counts(batch, runtime, lambda mb: mb.rows, extra=[nonzero])
     return counts, total_nonzero == 0
 
@@ -264,7 +268,7 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     no update, on every rank, when every advantage of the step is 0 (module docstring)."""
     batch.check()
     state.check_current()
-    started = time.perf_counter()
+    timer = Elapsed(state.handles.runtime.device)
     config, runtime = state.config.loss, state.handles.runtime
     counts, zero_advantages = counts_and_zero_advantage(batch, runtime)
     with_inference = any(mb.inference_logprobs is not None for mb in batch.micro_batches)
@@ -285,5 +289,5 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
             )
     metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
     return complete_step_(
-        state, batch, totals, metrics, time.perf_counter() - started, skip_update=skip
+        state, batch, totals, metrics, timer.stop_(), skip_update=skip
     )

@@ -300,16 +300,3 @@ def aggregate(
             raise ValueError('loss.aggregation = "constant" divides by rollout.max_new_tokens')
         return loss.sum() / max_new_tokens
     raise ValueError(f"unknown loss.aggregation {aggregation!r}")
-
-
-def sample_ids_of(loss_mask: Tensor, document_ids: Tensor) -> tuple[Tensor, int]:
-    """The sample of each loss token [N] (row-major, the order of `t[:, 1:][mask]`) numbered
-    0..S-1 over the micro-batch, and S. A sample is a (row, document) pair; only documents with
-    loss tokens get a number, so padding never counts."""
-    mask = loss_mask[:, 1:]
-    docs = document_ids[:, 1:]
-    rows = torch.arange(docs.shape[0], device=docs.device)[:, None].expand_as(docs)
-    span = document_ids.shape[1]  # every document has a token, so its id is below T
-    keys = (rows * span + docs)[mask]
-    unique, ids = torch.unique(keys, sorted=True, return_inverse=True)
-    return ids, int(unique.numel())

@@ -9,13 +9,12 @@ chunks of `model.loss_chunk_tokens` loss tokens (fnt/model/lm_head.py).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import Tensor
 
 from fnt.batch import PackedRows, SftBatch
 from fnt.model.lm_head import TokenLogprobs
+from fnt.obs.metrics import Elapsed
 from fnt.state import TrainState
 from fnt.update import accumulate_gradients_, complete_step_, step_rng
 
@@ -29,7 +28,7 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
     """One optimizer update over this rank's micro-batches; the metrics stay tensors."""
     batch.check()
     state.check_current()
-    started = time.perf_counter()
+    timer = Elapsed(state.handles.runtime.device)
     with step_rng(state):
         totals = accumulate_gradients_(
             state.handles.model,
@@ -44,5 +43,5 @@ def sft_step(state: TrainState, batch: SftBatch) -> tuple[TrainState, dict]:
         batch,
         totals,
         {"loss/perplexity": torch.exp(loss_mean)},
-        time.perf_counter() - started,
+        timer.stop_(),
     )

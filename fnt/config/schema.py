@@ -59,12 +59,16 @@ class ModelConfig:
     """Dtype of compute; bfloat16 with float32 parameters keeps float32 masters and checkpoints."""
     ac: bool = False
     """Activation checkpointing of every decoder layer (recompute activations in backward)."""
-    compile: bool = False
-    """Compile each decoder layer with torch.compile (regional, before FSDP2 shards it)."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    """Attention kernel; flash kernels (CUDA) get document boundaries, sdpa/eager a T x T mask."""
+    compile: Union[bool, Literal["auto"]] = "auto"
+    """Compile each decoder layer with torch.compile (regional); "auto": on CUDA unless model.ac."""
+    attn_implementation: Literal[
+        "auto", "varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"
+    ] = "auto"
+    """Attention kernel ("auto": the fastest here); varlen kernels get document boundaries."""
     loss_chunk_tokens: int = 1024
     """Loss tokens per chunk of the LM head's logits in the loss; 0 computes all logits at once."""
+    loss_kernel: Literal["auto", "eager", "compiled"] = "auto"
+    """How each loss chunk is computed: eager ops or one torch.compile graph ("auto": by device)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters; off (every parameter trains) unless lora.rank > 0."""
 

@@ -66,7 +66,7 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         f"must not exceed optim.lr = {config.optim.lr}",
     )
     require(
-        not (config.model.compile and config.model.ac),
+        not (config.model.compile is True and config.model.ac),
         "model.compile",
         "not with model.ac: torch.compile cannot trace transformers' checkpointed decoder layers "
         "(they would run eagerly); turn one of them off",

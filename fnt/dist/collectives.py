@@ -23,6 +23,16 @@ def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
     return t
 
 
+def all_reduce_sums(values: Sequence[float], runtime: Runtime) -> list[float]:
+    """The sum of each value over all ranks (the values themselves in one process, with no
+    tensor, so nothing is read back from a device). Float64 on the way."""
+    if not runtime.distributed:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
 def all_reduce_max(values: Sequence[float], runtime: Runtime) -> list[float]:
     """The largest of each value over all ranks (the values themselves in one process).
 

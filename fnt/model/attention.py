@@ -1,33 +1,250 @@
-"""What the model's attention needs to keep packed documents apart, by kernel. Pure.
+"""How the model's attention keeps packed documents apart, by kernel: one table. Pure, except
+`register_kernels_` (adds fnt's attention functions to transformers' registry, once a process)
+and `decoding_attention` (switches a model's kernel inside its block).
 
 A packed row holds several documents; a token may attend only to earlier tokens of its own
-document. How the model is told depends on `model.attn_implementation`:
+document. `KERNELS` says, for each `model.attn_implementation`, how the documents reach the
+kernel and where it runs:
 
-- `sdpa` and `eager` take an explicit block-diagonal causal mask [B, 1, T, T] (boolean for sdpa,
-  additive float for eager, which adds it to its scores). Restarted position ids alone do not
-  isolate documents on these paths in transformers.
-- The flash-attention kernels (`flash_attention_2`, `flash_attention_3`) are varlen kernels:
-  fnt passes the documents' boundaries over the flattened micro-batch (`cu_seq_lens_q/k`, the
-  cumulative document lengths, and `max_length_q/k`), which transformers hands to the kernel
-  as they are. No mask is passed, so nothing of size T x T exists, and the cost follows the
-  documents, not the row. (transformers can infer the boundaries from restarted position ids
-  too, but only for one row, and with a host sync in every layer.)
+- boundaries: the varlen kernels (`varlen`, torch's own `torch.nn.attention.varlen`;
+  `flash_attention_2` and `flash_attention_3` from the flash-attn packages) get the documents'
+  cumulative lengths over the flattened micro-batch (`cu_seq_lens_q/k`) and the longest
+  document's length (`max_length_q/k`), read on the host from the batch before it is moved
+  (fnt.batch.RowLayout). No mask is passed, nothing of size T x T exists, and the cost follows
+  the documents, not the row.
+- mask: `sdpa` and `eager` take an explicit block-diagonal causal mask [B, 1, T, T] (boolean for
+  sdpa, additive float for eager): the last fallback, for CPUs. A micro-batch whose rows each
+  hold one document takes sdpa's causal path with no mask at all.
+
+`auto` (the default) is the first kernel of `AUTO_ORDER[device type]` that this machine offers
+(`kernel_problem` is None): on CUDA flash-attn 3 when installed, torch's varlen, flash-attn 2,
+then sdpa; on a CPU sdpa. The start-up summary names the kernel.
+
+fnt's own attention functions (`fnt_varlen`, `fnt_sdpa`) are registered with transformers'
+AttentionInterface only, not with its mask functions: transformers then builds no mask and
+never inspects the position ids for packed sequences (which reads a value back from the
+device), and the function gets exactly what fnt passes. Generation with a KV cache and padding
+needs transformers' masks, so `fnt.rollout.sampling` decodes inside `decoding_attention`, which
+switches such a model to transformers' sdpa for the block.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
-from fnt.batch import PackedRows, block_causal_mask
+from fnt.batch import PackedRows, RowLayout, block_causal_mask, row_layout
 
-VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3")
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """One row of the kernel table."""
+
+    documents: str
+    """How packed documents reach the kernel: "boundaries" (cu_seq_lens) or "mask" (T x T)."""
+    devices: tuple[str, ...]
+    """The device types it runs on."""
+    hf_name: str
+    """The name set as the model's `_attn_implementation` (transformers' own, or fnt's)."""
+    needs: Optional[Callable[[], Optional[str]]] = None
+    """Why it cannot run in this process (a missing package or torch API), or None."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    """The compute dtypes it takes (flash kernels: 16-bit only)."""
+
+
+def _module_problem(module: str, package: str) -> Callable[[], Optional[str]]:
+    def problem() -> Optional[str]:
+        if importlib.util.find_spec(module) is None:
+            return f"needs the {package} package"
+        return None
+
+    return problem
+
+
+def _torch_varlen_problem() -> Optional[str]:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"needs torch.nn.attention.varlen (torch >= 2.10; this is {torch.__version__})"
+    return None
+
+
+HALF = ("bfloat16", "float16")
+
+KERNELS: dict[str, AttentionKernel] = {
+    "varlen": AttentionKernel(
+        "boundaries", ("cuda",), "fnt_varlen", _torch_varlen_problem, HALF
+    ),
+    "flash_attention_3": AttentionKernel(
+        "boundaries",
+        ("cuda",),
+        "flash_attention_3",
+        _module_problem("flash_attn_interface", "flash-attn 3 (flash_attn_interface)"),
+        HALF,
+    ),
+    "flash_attention_2": AttentionKernel(
+        "boundaries",
+        ("cuda",),
+        "flash_attention_2",
+        _module_problem("flash_attn", "flash-attn"),
+        HALF,
+    ),
+    "sdpa": AttentionKernel("mask", ("cpu", "cuda"), "fnt_sdpa"),
+    "eager": AttentionKernel("mask", ("cpu", "cuda"), "eager"),
+}
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("flash_attention_3", "varlen", "flash_attention_2", "sdpa"),
+    "cpu": ("sdpa",),
+}
+"""The kernels "auto" tries, fastest first, per device type (another device type gets sdpa)."""
+
+# The decoding twin of fnt's own functions: transformers' kernel, with its masks.
+_DECODING = {"fnt_varlen": "sdpa", "fnt_sdpa": "sdpa"}
+
+
+def kernel_problem(name: str, device_type: str, dtype: str = "bfloat16") -> Optional[str]:
+    """Why kernel `name` cannot run on `device_type` computing in `dtype` here, or None."""
+    kernel = KERNELS[name]
+    if device_type not in kernel.devices:
+        return f"runs on {' and '.join(kernel.devices)} only, not on {device_type}"
+    if dtype not in kernel.dtypes:
+        return f"computes in {' or '.join(kernel.dtypes)} only, not {dtype}"
+    return kernel.needs() if kernel.needs is not None else None
+
+
+def resolve_kernel(name: str, device_type: str, dtype: str) -> str:
+    """The kernel `model.attn_implementation = name` means on `device_type` computing in
+    `dtype`: `name` itself, or for "auto" the first kernel of AUTO_ORDER that can run here."""
+    if name != "auto":
+        return name
+    for candidate in AUTO_ORDER.get(device_type, ("sdpa",)):
+        if kernel_problem(candidate, device_type, dtype) is None:
+            return candidate
+    return "sdpa"
+
+
+def hf_attention_name(name: str) -> str:
+    """What to pass to transformers as `attn_implementation` for kernel `name` (registering
+    fnt's own functions first)."""
+    register_kernels_()
+    return KERNELS[name].hf_name
 
 
 def attention_kernel(model: nn.Module) -> str:
-    return getattr(model.config, "_attn_implementation", None) or "sdpa"
+    """The table's name of the kernel the model runs (transformers' name when it is none of
+    the table's)."""
+    hf_name = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    return next((k for k, v in KERNELS.items() if v.hf_name == hf_name), hf_name)
+
+
+@cache
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_options(parameters: frozenset[str], groups: int) -> tuple[dict[str, Any], bool]:
+    """The keyword arguments that make torch's varlen_attn causal, and whether key/value heads
+    must be repeated `groups` times first: the signature changed between torch releases (an
+    `is_causal` flag, later a `window_size` whose (-1, 0) is causal; `enable_gqa` from 2.13)."""
+    options: dict[str, Any] = {}
+    if "is_causal" in parameters:
+        options["is_causal"] = True
+    elif "window_size" in parameters:
+        options["window_size"] = (-1, 0)
+    else:
+        raise RuntimeError("torch's varlen_attn takes neither is_causal nor window_size")
+    repeat = groups > 1 and "enable_gqa" not in parameters
+    if groups > 1 and not repeat:
+        options["enable_gqa"] = True
+    return options, repeat
+
+
+def fnt_varlen_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function protocol over torch's varlen_attn: query [B, H, T, D],
+    key and value [B, Hkv, T, D], the documents as `cu_seq_lens_q` [D + 1] int32 and
+    `max_length_q` (fnt.model.attention.packed_inputs); returns [B, T, H, D]."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "cu_seq_lens_q" not in kwargs:
+        raise ValueError(
+            "the varlen kernel needs the documents' boundaries (cu_seq_lens_q), which fnt passes "
+            "in training forwards; decode inside fnt.model.attention.decoding_attention(model)"
+        )
+    if dropout and module.training:
+        raise ValueError("the varlen kernel has no attention dropout: use sdpa")
+    if sliding_window is not None:
+        raise ValueError("the varlen kernel has no sliding window: use sdpa or flash_attention_2")
+    B, H, T, D = query.shape
+    groups = H // key.shape[1]
+    options, repeat = varlen_options(_varlen_parameters(), groups)
+    q = query.transpose(1, 2).reshape(B * T, H, D)
+    k = key.transpose(1, 2).reshape(B * T, key.shape[1], D)
+    v = value.transpose(1, 2).reshape(B * T, value.shape[1], D)
+    if repeat:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **options)
+    return out.reshape(B, T, H, D), None
+
+
+def fnt_sdpa_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa function, registered under fnt's name so that transformers builds no
+    mask for it: the dense block-causal mask when fnt passes one, else the causal path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@cache
+def register_kernels_() -> None:
+    """Add fnt's attention functions to transformers' AttentionInterface (not to its masks)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("fnt_varlen", fnt_varlen_attention)
+    AttentionInterface.register("fnt_sdpa", fnt_sdpa_attention)
+
+
+@contextlib.contextmanager
+def decoding_attention(model: nn.Module) -> Iterator[None]:
+    """Inside the block a model on one of fnt's own attention functions runs transformers' twin
+    of it (sdpa), whose masks honour a KV cache and padding; others are left as they are."""
+    config = model.config
+    current = getattr(config, "_attn_implementation", None)
+    twin = _DECODING.get(current)
+    if twin is None:
+        yield
+        return
+    config._attn_implementation = twin
+    try:
+        yield
+    finally:
+        config._attn_implementation = current
+
+
+def document_boundaries(layout: RowLayout, device: torch.device) -> tuple[Tensor, int]:
+    """Cumulative document lengths [D + 1] int32 over the flattened rows, on `device`, and the
+    longest document's length: from the host layout, so nothing is read back."""
+    lengths = [n for row in layout.document_lengths for n in row]
+    cumulative = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return cumulative.to(device, non_blocking=True), max(lengths)
 
 
 def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
@@ -41,17 +258,6 @@ def attention_mask_for(model: nn.Module, rows: PackedRows) -> Tensor:
     return mask
 
 
-def document_boundaries(document_ids: Tensor) -> tuple[Tensor, int]:
-    """Cumulative document lengths [D + 1] int32 over the flattened rows (a row always starts a
-    document) and the longest document's length (one host sync)."""
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = starts.flatten().nonzero().flatten()
-    total = torch.tensor([document_ids.numel()], device=document_ids.device)
-    cumulative = torch.cat([first, total]).to(torch.int32)
-    return cumulative, int(cumulative.diff().max())
-
-
 def packed_inputs(model: nn.Module, rows: PackedRows) -> dict[str, Any]:
     """Keyword arguments of the model's forward over packed rows, documents kept apart."""
     inputs: dict[str, Any] = {
@@ -59,14 +265,18 @@ def packed_inputs(model: nn.Module, rows: PackedRows) -> dict[str, Any]:
         "position_ids": rows.position_ids,
         "use_cache": False,
     }
-    if attention_kernel(model) in VARLEN_KERNELS:
-        cumulative, longest = document_boundaries(rows.document_ids)
+    name = attention_kernel(model)
+    kernel = KERNELS.get(name)
+    if kernel is not None and kernel.documents == "boundaries":
+        cumulative, longest = document_boundaries(row_layout(rows), rows.input_ids.device)
         inputs.update(
             cu_seq_lens_q=cumulative,
             cu_seq_lens_k=cumulative,
             max_length_q=longest,
             max_length_k=longest,
         )
+    elif name == "sdpa" and row_layout(rows).one_document_per_row:
+        inputs["attention_mask"] = None  # every row one document: sdpa's causal path
     else:
         inputs["attention_mask"] = attention_mask_for(model, rows)
     return inputs

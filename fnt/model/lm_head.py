@@ -26,15 +26,16 @@ gradients of both uses accumulate into it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from fnt.batch import PackedRows
+from fnt.batch import PackedRows, row_layout
 
 
 @dataclass(frozen=True)
@@ -50,16 +51,23 @@ class LossTokens:
     entropy: bool  # also compute each token's softmax entropy (without gradient)
 
 
+def at_loss_tokens(rows: PackedRows, per_token: Tensor) -> Tensor:
+    """The values [N] of a per-token tensor [B, T] (token t's at t) at the rows' loss tokens:
+    `per_token[:, 1:][loss_mask[:, 1:]]`, taken by the host layout's index (a boolean mask
+    would read its count back from the device)."""
+    return per_token.flatten().index_select(0, row_layout(rows).loss_index + 1)
+
+
 def loss_tokens_of(
     rows: PackedRows, temperatures: Optional[Tensor] = None, entropy: bool = False
 ) -> LossTokens:
-    """The loss tokens of `rows`; `temperatures` [B, T] holds token t's temperature at t."""
-    mask = rows.loss_mask[:, 1:]
+    """The loss tokens of `rows`; `temperatures` [B, T] holds token t's temperature at t. The
+    positions come from the rows' host layout (fnt.batch.row_layout), so nothing is read back."""
     return LossTokens(
-        mask=mask,
-        index=F.pad(mask, (0, 1)).flatten().nonzero().squeeze(-1),
-        targets=rows.input_ids[:, 1:][mask],
-        temperatures=None if temperatures is None else temperatures[:, 1:][mask].float(),
+        mask=rows.loss_mask[:, 1:],
+        index=row_layout(rows).loss_index,
+        targets=at_loss_tokens(rows, rows.input_ids),
+        temperatures=None if temperatures is None else at_loss_tokens(rows, temperatures).float(),
         entropy=entropy,
     )
 
@@ -114,17 +122,59 @@ def _head_stats(hidden, weight, bias, targets, temperatures, entropy) -> Tensor:
     return token_stats(F.linear(hidden, weight, bias), targets, temperatures, entropy)
 
 
+def _plain_head_stats(hidden, weight, bias, targets, temperatures, entropy) -> Tensor:
+    """`_head_stats` in plain ops, for torch.compile: autograd derives the backward and the
+    compiler fuses the cast, the logsumexp, the gather and their backward into few kernels."""
+    z = F.linear(hidden, weight, bias).float()
+    if temperatures is not None:
+        z = z / temperatures[:, None]
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not entropy:
+        return logp[None]
+    ent = (lse - torch.softmax(z, dim=-1).mul(z).sum(dim=-1)).detach()
+    return torch.stack([logp, ent])
+
+
+@functools.cache
+def compiled_head_stats() -> Callable[..., Tensor]:
+    """The compiled chunk of model.loss_kernel = "compiled" (one graph for every chunk size)."""
+    return torch.compile(_plain_head_stats, dynamic=True)
+
+
+LOSS_KERNELS = ("eager", "compiled")
+AUTO_LOSS_KERNEL = {"cuda": "eager"}
+"""What model.loss_kernel = "auto" means per device type (elsewhere: eager)."""
+
+
+def resolve_loss_kernel(setting: str, device_type: str) -> str:
+    """The loss kernel model.loss_kernel = `setting` means on `device_type`. Pure."""
+    return AUTO_LOSS_KERNEL.get(device_type, "eager") if setting == "auto" else setting
+
+
+def use_loss_kernel_(model: nn.Module, kernel: str) -> None:
+    """Make the model's chunked head compute each chunk with `kernel` (LOSS_KERNELS)."""
+    model.get_output_embeddings()._fnt_loss_kernel = kernel
+
+
 def chunked_token_stats(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], tokens: LossTokens, chunk: int
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    tokens: LossTokens,
+    chunk: int,
+    kernel: str = "eager",
 ) -> Tensor:
     """`token_stats` of the loss tokens from the hidden states [B, T, H] of every position and
-    the head's weight [V, H] (and bias), `chunk` tokens at a time (see the module docstring)."""
+    the head's weight [V, H] (and bias), `chunk` tokens at a time (see the module docstring),
+    each chunk by `kernel` ("eager", or "compiled": `compiled_head_stats`)."""
     if chunk < 1:
         raise ValueError(f"the chunk size must be at least 1 loss token, got {chunk}")
     if hidden.shape[:2] != (tokens.mask.shape[0], tokens.mask.shape[1] + 1):
         raise ValueError(
             f"the chunked head needs the hidden states of every position, got {tuple(hidden.shape)}"
         )
+    head_stats = compiled_head_stats() if kernel == "compiled" else _head_stats
     selected = hidden.flatten(0, 1).index_select(0, tokens.index)
     n = selected.shape[0]
     parts = []
@@ -135,10 +185,10 @@ def chunked_token_stats(
         temperatures = None if tokens.temperatures is None else tokens.temperatures[part]
         args = (selected[part], weight, bias, tokens.targets[part], temperatures, tokens.entropy)
         if start + chunk >= n:
-            parts.append(_head_stats(*args))
+            parts.append(head_stats(*args))
         else:
             # No randomness inside, so the RNG state need not be saved and restored.
-            stats = checkpoint(_head_stats, *args, use_reentrant=False, preserve_rng_state=False)
+            stats = checkpoint(head_stats, *args, use_reentrant=False, preserve_rng_state=False)
             parts.append(stats)
     return torch.cat(parts, dim=1)
 
@@ -162,10 +212,11 @@ def chunked_head(model: nn.Module, tokens: LossTokens, chunk: int) -> Iterator[N
     on exit, also on error."""
     head = model.get_output_embeddings()
     previous = head.__dict__.get("forward")
+    kernel = getattr(head, "_fnt_loss_kernel", "eager")
 
     def forward(hidden: Tensor) -> Tensor:
         # Read the parameters at call time: under FSDP2 they are the unsharded ones only now.
-        return chunked_token_stats(hidden, head.weight, head.bias, tokens, chunk)
+        return chunked_token_stats(hidden, head.weight, head.bias, tokens, chunk, kernel)
 
     head.forward = forward
     try:

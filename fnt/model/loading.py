@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from fnt.config import ConfigError, ModelConfig
-from fnt.model.compile import compile_layers_
+from fnt.model.attention import hf_attention_name, resolve_kernel
+from fnt.model.compile import compile_layers_, compiles
+from fnt.model.lm_head import resolve_loss_kernel, use_loss_kernel_
 from fnt.model.lora import add_adapters_, init_adapters_
 from fnt.model.sharded_load import load_shards_, params_on_meta
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
@@ -49,7 +51,7 @@ def load_hf_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(
         model_config.name,
         dtype=DTYPES[model_config.dtype],
-        attn_implementation=model_config.attn_implementation,
+        attn_implementation=attention_for(model_config, device.type),
     )
     return model.to(device)
 
@@ -64,7 +66,21 @@ def model_facts(model: nn.Module) -> ModelFacts:
     )
 
 
-def empty_hf_model(model_config: ModelConfig) -> nn.Module:
+def attention_for(model_config: ModelConfig, device_type: str) -> str:
+    """transformers' name of the kernel model.attn_implementation means on `device_type`
+    (fnt.model.attention: "auto" resolved, fnt's own functions registered)."""
+    dtype = compute_dtype_of(model_config)
+    return hf_attention_name(resolve_kernel(model_config.attn_implementation, device_type, dtype))
+
+
+def compute_dtype_of(model_config: ModelConfig) -> str:
+    """The dtype the model computes in: model.compute_dtype when lower than its dtype."""
+    if model_config.compute_dtype != "float32":
+        return model_config.compute_dtype
+    return model_config.dtype
+
+
+def empty_hf_model(model_config: ModelConfig, device_type: str = "cpu") -> nn.Module:
     """The model's architecture with its parameters on the meta device (no memory) and its
     buffers computed; the weights come later (fnt.model.sharded_load)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -74,7 +90,7 @@ def empty_hf_model(model_config: ModelConfig) -> nn.Module:
         return AutoModelForCausalLM.from_config(
             hf_config,
             dtype=DTYPES[model_config.dtype],
-            attn_implementation=model_config.attn_implementation,
+            attn_implementation=attention_for(model_config, device_type),
         )
 
 
@@ -93,7 +109,7 @@ def load_model(
     of `seed`, on any number of ranks.
     """
     if runtime.distributed:
-        model = empty_hf_model(model_config)
+        model = empty_hf_model(model_config, runtime.device.type)
     else:
         model = load_hf_model(model_config, runtime.device)
     if model_config.lora.rank:
@@ -109,9 +125,11 @@ def load_model(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
     model.config.use_cache = False
+    use_loss_kernel_(model, resolve_loss_kernel(model_config.loss_kernel, runtime.device.type))
     if plan.autocast:
         autocast_forward_(model, runtime.device, plan)
-    if model_config.compile:  # before FSDP2 wraps the layers, so each shard unit is compiled
+    # Before FSDP2 wraps the layers, so each shard unit is compiled.
+    if compiles(model_config.compile, runtime.device.type, model_config.ac):
         compile_layers_(decoder_layers(model))
     if runtime.distributed:
         shard_model_(model, data_parallel_mesh(runtime), plan)

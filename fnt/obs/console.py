@@ -63,12 +63,13 @@ def start_summary(
     sources: Sequence[Mapping[str, Any]] = (),
     max_epochs: float = 0.0,
     ranks: str = "",
+    kernels: str = "",
 ) -> list[str]:
     """The start-up summary: parameters, each data source's samples and tokens, the steps and
-    the epochs they make (with `max_epochs`, the steps it was resolved to); `ranks`, when
-    given, is the `ranks_text` line. `sources` are `{"name", "samples", "dropped", "tokens"}`.
-    Pure."""
-    lines = [ranks] if ranks else []
+    the epochs they make (with `max_epochs`, the steps it was resolved to); `ranks` and
+    `kernels`, when given, are the `ranks_text` and `kernels_text` lines. `sources` are
+    `{"name", "samples", "dropped", "tokens"}`. Pure."""
+    lines = [line for line in (ranks, kernels) if line]
     lines.append(f"parameters: {count_text(parameters)} ({count_text(trainable)} trainable)")
     corpus_tokens = 0
     for source in sources:
@@ -167,6 +168,12 @@ def sample_lines(step: int, records: Sequence[Mapping[str, Any]], where: str) ->
             f"{_clip(record['prompt'], 60, tail=True)} -> {_clip(record['completion'], 160)}"
         )
     return lines
+
+
+def kernels_text(attention: str, compiled: bool, loss: str) -> str:
+    """`kernels: attention varlen, compile on, loss eager`: what model.attn_implementation,
+    model.compile and model.loss_kernel resolved to on this device. Pure."""
+    return f"kernels: attention {attention}, compile {'on' if compiled else 'off'}, loss {loss}"
 
 
 def ranks_text(world_size: int, dp_replicate: int, dp_shard: int, device: str) -> str:

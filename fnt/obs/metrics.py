@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -112,13 +113,45 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
+class Elapsed:
+    """Seconds of a stretch of a step, read once the step has run (`float()`): on CUDA, between
+    two events recorded in the device's queue, since a step queues its work and returns before
+    it runs; elsewhere, the wall clock between start and `stop_`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.events[0].record()
+        self.started, self.seconds = time.perf_counter(), None
+
+    def stop_(self) -> Elapsed:
+        if self.events is not None:
+            self.events[1].record()
+        self.seconds = time.perf_counter() - self.started
+        return self
+
+    def __float__(self) -> float:
+        if self.events is None:
+            return float(self.seconds)
+        start, end = self.events
+        end.synchronize()  # done already once the step's metrics came back (to_floats)
+        return start.elapsed_time(end) / 1000.0
+
+
 def to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Turn tensor metrics into floats with one host sync (all tensors are stacked first)."""
-    tensor_keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if tensor_keys:
-        stacked = torch.stack([metrics[k].detach().float().reshape(()).cpu() for k in tensor_keys])
-        out.update(zip(tensor_keys, stacked.tolist()))
+    """Turn tensor metrics into floats with one transfer per device: the tensors of each device
+    are stacked there and copied back at once, the one host sync of a step. Other values (such
+    as Elapsed, which reads its events then) are converted after it."""
+    out: dict[str, float] = {}
+    by_device: dict[torch.device, list[str]] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(key)
+    for keys in by_device.values():
+        stacked = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
+        out.update(zip(keys, stacked.cpu().tolist()))
+    out.update({k: float(v) for k, v in metrics.items() if k not in out})
     return {k: out[k] for k in metrics}
 
 

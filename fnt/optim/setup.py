@@ -192,7 +192,9 @@ def setup_optimizer(
         weight_decay=optim_config.weight_decay,
     )
     if optim_config.impl == "torch":
-        return torch.optim.AdamW(params, **hyper)
+        # Fused: one kernel for all parameters, and a skipped update decided on the device
+        # (fnt.update.skips_on_device); torch's default reads each step count back.
+        return torch.optim.AdamW(params, fused=True, **hyper)
     devices = sorted({p.device.type for p in params} - {"cpu"})
     if devices:
         raise ConfigError(

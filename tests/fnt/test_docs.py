@@ -118,7 +118,9 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 
 def test_the_slugs_are_githubs():
-    assert slug("Answers from a checkpoint: `fnt generate`") == "answers-from-a-checkpoint-fnt-generate"
+    assert slug("Answers from a checkpoint: `fnt generate`") == (
+        "answers-from-a-checkpoint-fnt-generate"
+    )
     assert slug("Benchmarks and the GPU check") == "benchmarks-and-the-gpu-check"
     assert slug("`loss.kind` and `rollout.engine`") == "losskind-and-rolloutengine"
     assert slug("Past one machine (torchrun, HSDP)") == "past-one-machine-torchrun-hsdp"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from fnt.native import build as _native
 
+from fnt.native import build as _native
 from fnt.optim.adamw import CPUAdamW
 
 

@@ -4,8 +4,8 @@ OUT_DIR MODEL_DIR...
 For each model directory (an untied and a tied head), each rank accumulates the gradients of its
 own SFT and RL batches twice, in chunks of CHUNK loss tokens and from the full logits, and
 compares the global loss sums, metric sums, grad norms and full gradients. The poisoned variant
-makes rank 0's first micro-batch non-finite, so that rank back-propagates the zero surrogate
-while rank 1 back-propagates its real loss. Each rank writes OUT_DIR/rank{N}.json.
+makes rank 0's first micro-batch non-finite, so that rank back-propagates zeros while rank 1
+back-propagates its real loss. Each rank writes OUT_DIR/rank{N}.json.
 """
 
 from __future__ import annotations

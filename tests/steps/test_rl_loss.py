@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fnt.batch import PackedRows, RLMicroBatch
+from fnt.batch import PackedRows, RLMicroBatch, host_layout
 from fnt.config import RLLossConfig
 from fnt.model.lm_head import logprobs_from_logits, loss_tokens_of
 from fnt.update import StepTotals
@@ -22,7 +22,6 @@ from steps.rl_losses import (
     TokenLoss,
     aggregation_of,
     per_sample,
-    sample_ids_of,
     token_loss,
 )
 
@@ -323,7 +322,8 @@ def test_a_custom_loss_by_import_path(name, per_token, aggregation):
 def test_sample_ids_number_the_documents_with_loss_tokens():
     documents = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 1, 1, 1, 1]])
     loss_mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0]], dtype=torch.bool)
-    ids, count = sample_ids_of(loss_mask, documents)
+    layout = host_layout(documents.numpy(), loss_mask.numpy())
+    ids, count = layout.loss_sample, layout.num_samples
     # Row-major loss tokens: row 0 doc 0 (two), row 0 doc 1, row 1 doc 1 (two); row 1 doc 0 has
     # no loss token and gets no number.
     assert ids.tolist() == [0, 0, 1, 2, 2] and count == 3

@@ -13,7 +13,7 @@ from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
-from fnt.dist.collectives import all_reduce_sum
+from fnt.dist.collectives import all_reduce_sum, all_reduce_sums
 from fnt.dist.runtime import setup_trainer
 from fnt.update import packed_logits
 from steps.rl import rl_gradients_, rl_step
@@ -211,9 +211,15 @@ def test_an_rl_step_reduces_its_counts_once(tiny_model_dir, monkeypatch):
         reduced.append(t.numel())
         return t
 
-    for module in list(sys.modules.values()):  # wherever the collective was imported
+    def counted_values(values, runtime):
+        reduced.append(len(values))
+        return [float(v) for v in values]
+
+    for module in list(sys.modules.values()):  # wherever the collectives were imported
         if getattr(module, "all_reduce_sum", None) is all_reduce_sum:
             monkeypatch.setattr(module, "all_reduce_sum", counted)
+        if getattr(module, "all_reduce_sums", None) is all_reduce_sums:
+            monkeypatch.setattr(module, "all_reduce_sums", counted_values)
     rl_step(state, batch)
     assert len(reduced) == 2, reduced
 

@@ -40,7 +40,7 @@ from fnt.config import ConfigError, RLConfig
 from fnt.dist.collectives import full_state_dict
 from fnt.dist.parallel import rank_bounds, rank_share
 from fnt.dist.runtime import Runtime
-from fnt.model.compile import compile_layers_
+from fnt.model.compile import compile_layers_, compiles
 from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.model.lora import add_adapters_, is_adapted
 from fnt.rollout.base import (
@@ -60,7 +60,7 @@ def inference_copy(config: RLConfig, runtime: Runtime) -> nn.Module:
     model = load_hf_model(config.model, runtime.device)
     if config.model.lora.rank:
         add_adapters_(model, config.model.lora)
-    if config.model.compile:
+    if compiles(config.model.compile, runtime.device.type, config.model.ac):
         compile_layers_(decoder_layers(model))
     return model.eval().requires_grad_(False)
 
