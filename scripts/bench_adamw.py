@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from fnt.native import build as _native
 
+from fnt.native import build as _native
 from fnt.optim.adamw import CPUAdamW
 
 LR = 1e-3

@@ -18,6 +18,15 @@ the first step). Times are the median of --reps steps after one warm-up step. Th
 within each repetition so that machine noise hits both alike.
 
     python scripts/bench_loss.py [--seq-lens 1024 2048 4096] [--reps 3] [--tiny-reps 30]
+
+`--kernels` times model.loss_kernel instead, on the LM head alone at Qwen3-0.6B's shape (hidden
+1024, V = 151,936, a float32 weight, bfloat16 autocast where the device has it): one forward and
+backward of fnt's chunked head over `--seq-lens` loss tokens, eager and compiled chunks, against
+the bare reference (cross entropy in checkpointed chunks); the median of --reps after a warm-up
+(the compile's seconds reported apart), the compiled logprobs' largest difference from eager's,
+and the JSON line last. `--tiny` shrinks it (hidden 64, V 4096) for a CPU.
+
+    python scripts/bench_loss.py --kernels [--seq-lens 8192] [--reps 10] [--tiny]
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fnt.batch import DataPosition, PackedRows, SftBatch
+from fnt.batch import DataPosition, PackedRows, SftBatch, to_device
 from fnt.config import ParallelConfig
 from fnt.config.parallel import plan_parallel_dims
 from fnt.data.synthetic import synthetic_rows
@@ -176,13 +185,93 @@ def tiny_times(reps: int) -> dict:
     return out
 
 
+def timed(step, device: torch.device, reps: int) -> tuple[float, float]:
+    """(the first call's seconds, the median of `reps` more), the device's queue drained."""
+    times = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return times[0], statistics.median(times[1:])
+
+
+def kernel_times(seq_len: int, reps: int, tiny: bool) -> dict:
+    """model.loss_kernel eager and compiled, and the bare reference, on the head alone."""
+    from fnt.model.lm_head import chunked_token_stats, loss_tokens_of
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hidden_size, vocab = (64, 4096) if tiny else (1024, QWEN3_VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, generator=gen).to(device))
+    hidden = torch.randn(1, seq_len, hidden_size, generator=gen).to(device).requires_grad_()
+    rows = to_device(one_row(seq_len, vocab), device)
+    tokens = loss_tokens_of(rows)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def fnt_head(kernel):
+        def step():
+            weight.grad = hidden.grad = None
+            with autocast:
+                stats = chunked_token_stats(hidden, weight, None, tokens, CHUNK, kernel)
+            (-stats[0].sum()).backward()
+            return stats[0].detach()
+
+        return step
+
+    def bare():
+        weight.grad = hidden.grad = None
+        with autocast:
+            selected = hidden.flatten(0, 1).index_select(0, tokens.index)
+            loss = sum(
+                checkpoint(
+                    _chunk_loss,
+                    selected[i : i + CHUNK],
+                    weight,
+                    tokens.targets[i : i + CHUNK],
+                    use_reentrant=False,
+                )
+                for i in range(0, selected.shape[0], CHUNK)
+            )
+        loss.backward()
+
+    out = {"seq_len": seq_len, "hidden": hidden_size, "vocab": vocab, "device": device.type}
+    for name, step in (("eager", fnt_head("eager")), ("compiled", fnt_head("compiled")),
+                       ("bare", bare)):  # fmt: skip
+        first, median = timed(step, device, reps)
+        out[f"{name}_ms"] = 1e3 * median
+        out[f"{name}_first_s"] = first
+    difference = (fnt_head("compiled")() - fnt_head("eager")()).abs().max()
+    out["compiled_max_logp_diff"] = float(difference)
+    out["compiled_over_eager"] = out["compiled_ms"] / out["eager_ms"]
+    out["eager_over_bare"] = out["eager_ms"] / out["bare_ms"]
+    out["compiled_over_bare"] = out["compiled_ms"] / out["bare_ms"]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None)
+    p.add_argument("--reps", type=int, default=None)
     p.add_argument("--tiny-reps", type=int, default=30)
+    p.add_argument("--kernels", action="store_true", help="model.loss_kernel on the head alone")
+    p.add_argument("--tiny", action="store_true", help="with --kernels: a CPU-sized head")
     p.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in a subprocess
     args = p.parse_args()
+    if args.kernels:
+        results = [kernel_times(n, args.reps or 10, args.tiny) for n in args.seq_lens or [8192]]
+        for r in results:
+            print(
+                f"{r['device']}, {r['seq_len']} loss tokens, V {r['vocab']}: eager "
+                f"{r['eager_ms']:.1f} ms, compiled {r['compiled_ms']:.1f} ms (compile "
+                f"{r['compiled_first_s']:.1f} s), bare {r['bare_ms']:.1f} ms; compiled/eager "
+                f"{r['compiled_over_eager']:.3f}, eager/bare {r['eager_over_bare']:.3f}"
+            )
+        print(json.dumps({"kernels": results}))
+        return
+    args.seq_lens = args.seq_lens or [1024, 2048, 4096]
+    args.reps = args.reps or 3
     if args.case:
         print(json.dumps(run_case(args.case, args.seq_lens[0], args.reps)))
         return

@@ -135,7 +135,9 @@ def measure(run: Path, model: Path, seq_len: int, steps: int, kernel: str, *extr
         "--model.attn-implementation", kernel, "--optim.lr", "1e-5", "--ckpt.save-final", "false",
         *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The checkout first, then whatever the caller's path holds (a bare GPU machine's wheels).
+    path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"fnt sft failed:\n{done.stderr[-4000:]}")

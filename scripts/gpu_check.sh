@@ -6,12 +6,14 @@
 #      shape, seq_len 8192, the same rows (scripts/bench_peers.py: s/step, tokens/s, MFU, peak
 #      memory, what fnt's defaults chose for attention and compile, fnt/TRL and fnt/bare),
 #   2. peers_2048: the same at seq_len 2048,
-#   3. profile: a few fnt SFT steps at seq_len 8192 under torch.profiler (scripts/profile_step.py:
+#   3. loss: model.loss_kernel on the LM head alone at Qwen3's vocabulary, 8192 loss tokens:
+#      eager and compiled chunks against a bare chunked cross entropy (scripts/bench_loss.py),
+#   4. profile: a few fnt SFT steps at seq_len 8192 under torch.profiler (scripts/profile_step.py:
 #      the top kernels by device time, the host syncs per step),
-#   4. gpu_tests: the gpu-marked tests but vLLM's (varlen attention: packed == alone; compiled
+#   5. gpu_tests: the gpu-marked tests but vLLM's (varlen attention: packed == alone; compiled
 #      SFT and decoding against eager; full offload on one CUDA rank; NUMA binding),
-#   5. dpo: fnt dpo against TRL's DPOTrainer at the 0.6B shape, bf16 (scripts/bench_dpo.py),
-#   6. rl: an RL step of the in-process engine at the 0.6B shape against a bare GRPO loop on the
+#   6. dpo: fnt dpo against TRL's DPOTrainer at the 0.6B shape, bf16 (scripts/bench_dpo.py),
+#   7. rl: an RL step of the in-process engine at the 0.6B shape against a bare GRPO loop on the
 #      same device (scripts/bench_rl.py --model).
 # Usage, from the repository root on the GPU machine: bash scripts/gpu_check.sh [OUT_DIR]
 # Every log and JSON line lands in OUT_DIR (default gpu-check/); the summary (each part's exit
@@ -73,6 +75,7 @@ if [ "$TINY" = 1 ]; then
   PEERS_8192=(--tiny --steps 3)
   PEERS_2048=(--tiny --steps 3 --seq-len 128)
   PROFILE=(--tiny)
+  LOSS=(--tiny --seq-lens 512 --reps 2)
   TESTS=(--collect-only)
   DPO=(--steps 3 --warmup 1 --pairs 64)
   RL=(--steps 2 --warmup 1)
@@ -81,6 +84,7 @@ else
   PEERS_8192=(--seq-len 8192 --steps 8 --side-timeout 90)
   PEERS_2048=(--seq-len 2048 --steps 8 --side-timeout 60)
   PROFILE=(--seq-len 8192 --warmup 3 --steps 3)
+  LOSS=(--seq-lens 8192 --reps 10)
   TESTS=()
   DPO=(--shape 0.6b --steps 8 --warmup 3)
   RL=(--steps 4 --warmup 1)
@@ -89,15 +93,16 @@ MODEL=$WORK/peers/qwen3-$SHAPE  # written by the first part, read by the others
 
 run_part peers_8192 150 "$PY" scripts/bench_peers.py "${PEERS_8192[@]}" --work "$WORK/peers"
 run_part peers_2048 100 "$PY" scripts/bench_peers.py "${PEERS_2048[@]}" --work "$WORK/peers"
+run_part loss 40 "$PY" scripts/bench_loss.py --kernels "${LOSS[@]}"
 [ -f "$MODEL/config.json" ] && PROFILE+=(--model "$MODEL")
-run_part profile 60 "$PY" scripts/profile_step.py "${PROFILE[@]}" --work "$WORK/profile"
-run_part gpu_tests 110 "$PY" -m pytest -q -m "gpu and not vllm" -p no:cacheprovider ${TESTS[@]+"${TESTS[@]}"} tests
+run_part profile 50 "$PY" scripts/profile_step.py "${PROFILE[@]}" --work "$WORK/profile"
+run_part gpu_tests 100 "$PY" -m pytest -q -m "gpu and not vllm" -p no:cacheprovider ${TESTS[@]+"${TESTS[@]}"} tests
 if [ "$TINY" != 1 ] && [ -f "$MODEL/config.json" ]; then
   DPO+=(--model "$MODEL")
   RL+=(--model "$MODEL")
 fi
-run_part dpo 60 "$PY" scripts/bench_dpo.py "${DPO[@]}" --work "$WORK/dpo"
-run_part rl 60 "$PY" scripts/bench_rl.py "${RL[@]}" --work "$WORK/rl"
+run_part dpo 50 "$PY" scripts/bench_dpo.py "${DPO[@]}" --work "$WORK/dpo"
+run_part rl 50 "$PY" scripts/bench_rl.py "${RL[@]}" --work "$WORK/rl"
 
 for log in "$WORK"/peers/seq*/*.log; do  # each side's own output (fnt sft, TRL, bare)
   [ -f "$log" ] && cp "$log" "$OUT/peers-$(basename "$(dirname "$log")")-$(basename "$log")"
