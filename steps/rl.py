@@ -213,8 +213,15 @@ def rl_gradients_(
     )
 
 
-def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
-    """The step's RL metrics from the global sums (see the module docstring)."""
+def rl_metrics(
+    totals: StepTotals,
+    with_inference: Optional[bool] = None,
+    with_reference: Optional[bool] = None,
+) -> dict[str, Tensor]:
+    """The step's RL metrics from the global sums (see the module docstring). The mismatch
+    metrics are there when `with_inference` (the loss tokens have the sampler's logprobs) and
+    ref_kl/mean when `with_reference`; a flag not given is read from the sums' token counts,
+    which costs a read back from the device."""
     nan = torch.tensor(float("nan"))
     # A step whose every micro-batch was non-finite has no sums; its row says NaN, not 0.
     sums = {key: totals.sums.get(key, nan) for key in SUM_KEYS}
@@ -225,15 +232,16 @@ def rl_metrics(totals: StepTotals) -> dict[str, Tensor]:
         "masked/high_fraction": sums["masked_high"] / n,
         "masked/low_fraction": sums["masked_low"] / n,
     }
-    # The key set depends on the data, so this costs one host sync per step.
-    mismatch_tokens, ref_tokens = torch.stack(
-        [sums["mismatch_tokens"].float().cpu(), sums["ref_kl_tokens"].float().cpu()]
-    ).tolist()
-    if mismatch_tokens > 0:
+    if with_inference is None or with_reference is None:
+        mismatch_tokens, ref_tokens = torch.stack(
+            [sums["mismatch_tokens"].float().cpu(), sums["ref_kl_tokens"].float().cpu()]
+        ).tolist()
+        with_inference, with_reference = mismatch_tokens > 0, ref_tokens > 0
+    if with_inference:
         mismatch_kl = sums["mismatch_kl"] / sums["mismatch_tokens"]
         metrics["mismatch_kl/all/mean"] = mismatch_kl
         metrics["kl_ent_ratio/mean"] = mismatch_kl / entropy
-    if ref_tokens > 0:
+    if with_reference:
         metrics["ref_kl/mean"] = sums["ref_kl"] / sums["ref_kl_tokens"]
     return metrics
 
@@ -287,7 +295,16 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
                 counts=counts,
                 max_new_tokens=state.config.rollout.max_new_tokens,
             )
-    metrics = {**rl_metrics(totals), "skipped/zero_advantage": 1.0 if skip else 0.0}
+    # Which metrics the step has follows from the batch and the config, known on the host.
+    trained = not skip and counts.loss_tokens > 0
+    with_reference = bool(config.ref_kl_tau) and (
+        state.handles.ref_model is not None
+        or any(mb.ref_logprobs is not None for mb in batch.micro_batches)
+    )
+    metrics = {
+        **rl_metrics(totals, trained and with_inference, trained and with_reference),
+        "skipped/zero_advantage": 1.0 if skip else 0.0,
+    }
     return complete_step_(
         state, batch, totals, metrics, timer.stop_(), skip_update=skip
     )

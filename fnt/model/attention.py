@@ -143,11 +143,13 @@ def attention_kernel(model: nn.Module) -> str:
     return next((k for k, v in KERNELS.items() if v.hf_name == hf_name), hf_name)
 
 
-@cache
-def _varlen_parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
+_VARLEN_PARAMETERS: frozenset[str] = frozenset()
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+
+def _varlen_parameters() -> frozenset[str]:
+    """torch's varlen_attn's parameter names, read when the kernels are registered (so that a
+    compiled layer sees a constant, not a signature to inspect)."""
+    return _VARLEN_PARAMETERS
 
 
 def varlen_options(parameters: frozenset[str], groups: int) -> tuple[dict[str, Any], bool]:
@@ -195,14 +197,28 @@ def fnt_varlen_attention(
     B, H, T, D = query.shape
     groups = H // key.shape[1]
     options, repeat = varlen_options(_varlen_parameters(), groups)
-    q = query.transpose(1, 2).reshape(B * T, H, D)
-    k = key.transpose(1, 2).reshape(B * T, key.shape[1], D)
-    v = value.transpose(1, 2).reshape(B * T, value.shape[1], D)
+    # Under autocast a float32 norm (Qwen3's q/k norms) can leave query and key in float32
+    # beside a bfloat16 value; the kernel takes one 16-bit dtype, as sdpa's autocast gives it.
+    dtype = compute_dtype(query, key, value)
+    q = query.transpose(1, 2).reshape(B * T, H, D).to(dtype)
+    k = key.transpose(1, 2).reshape(B * T, key.shape[1], D).to(dtype)
+    v = value.transpose(1, 2).reshape(B * T, value.shape[1], D).to(dtype)
     if repeat:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **options)
     return out.reshape(B, T, H, D), None
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """The 16-bit dtype among the tensors, else autocast's where it is on, else their own."""
+    for t in tensors:
+        if t.dtype in (torch.bfloat16, torch.float16):
+            return t.dtype
+    device = tensors[0].device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tensors[0].dtype
 
 
 def fnt_sdpa_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
@@ -218,6 +234,11 @@ def register_kernels_() -> None:
     """Add fnt's attention functions to transformers' AttentionInterface (not to its masks)."""
     from transformers import AttentionInterface
 
+    global _VARLEN_PARAMETERS
+    if _torch_varlen_problem() is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_PARAMETERS = frozenset(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register("fnt_varlen", fnt_varlen_attention)
     AttentionInterface.register("fnt_sdpa", fnt_sdpa_attention)
 

@@ -51,10 +51,10 @@ def router_stats(router_logits: Sequence[Tensor], top_k: int) -> Tensor:
     for logits in router_logits:
         probs = torch.softmax(logits.detach().float(), dim=-1)  # [tokens, E]
         top_probs, top_experts = probs.topk(top_k, dim=-1)
-        loads = torch.bincount(top_experts.flatten(), minlength=probs.shape[-1]).to(probs.dtype)
-        extra = torch.stack(
-            [top_probs.sum(), torch.tensor(float(top_probs.numel()), device=probs.device)]
-        )
+        # index_add, not bincount: bincount on CUDA reads the largest index back to the host.
+        chosen = top_experts.flatten()
+        loads = probs.new_zeros(probs.shape[-1]).index_add_(0, chosen, probs.new_ones(chosen.shape))
+        extra = torch.stack([top_probs.sum(), top_probs.new_full((), float(top_probs.numel()))])
         rows.append(torch.cat([loads, extra]))
     return torch.stack(rows)
 

@@ -295,6 +295,7 @@ def test_packed_equals_alone_on_a_gpu(tiny_model_dir, kernel):
 def test_a_run_records_the_kernel_and_compile_choice_its_device_made():
     cpu = with_device_choices(Config(model=ModelConfig()), "cpu")
     assert (cpu.model.attn_implementation, cpu.model.compile) == ("sdpa", False)
+    assert cpu.model.loss_kernel == "eager"
     bf16 = Config(model=ModelConfig(compute_dtype="bfloat16"))
     cuda = with_device_choices(bf16, "cuda")
     assert cuda.model.attn_implementation == resolve_kernel("auto", "cuda", "bfloat16")
@@ -303,9 +304,19 @@ def test_a_run_records_the_kernel_and_compile_choice_its_device_made():
     assert with_device_choices(with_ac, "cuda").model.compile is False
     explicit = Config(model=ModelConfig(attn_implementation="eager", compile=True))
     assert with_device_choices(explicit, "cpu").model == dataclasses.replace(
-        explicit.model, compile=True
+        explicit.model, loss_kernel="eager"
     )
     with pytest.raises(ConfigError, match="'varlen' cannot run here: it runs on cuda only"):
         with_device_choices(Config(model=ModelConfig(attn_implementation="varlen")), "cpu")
     with pytest.raises(ConfigError, match="computes in bfloat16 or float16 only, not float32"):
         with_device_choices(Config(model=ModelConfig(attn_implementation="varlen")), "cuda")
+
+
+def test_the_varlen_kernel_gets_one_16_bit_dtype():
+    """Qwen3's float32 q/k norms under autocast leave query and key in float32 beside a
+    bfloat16 value: the kernel's inputs take the 16-bit dtype (or autocast's)."""
+    q, v = torch.zeros(2, dtype=torch.float32), torch.zeros(2, dtype=torch.bfloat16)
+    assert attention.compute_dtype(q, q, v) == torch.bfloat16
+    assert attention.compute_dtype(q, q, q) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.compute_dtype(q, q, q) == torch.bfloat16
