@@ -183,30 +183,31 @@ def accumulate_gradients_(
     nan_count = torch.zeros((), dtype=torch.float32, device=device)
     sums: dict[str, Tensor] = {}
     moe_stats = None
-    for mb in batch.micro_batches[: micro_batches_to_run(loss_tokens_per_mb, runtime)]:
-        mb = to_device(mb, device)
-        rows = rows_of(mb)
-        temperatures = None if temperatures_of is None else temperatures_of(mb)
-        wanted = loss_tokens_of(rows, temperatures, entropy)
-        with record_router_logits(model) as router_logits:
-            head_out, logprobs = forward_loss_tokens(model, rows, wanted, chunk_tokens)
-        if top_k:
-            stats = router_stats(router_logits, top_k)
-            moe_stats = stats if moe_stats is None else moe_stats + stats
-        mb_loss, mb_sums = loss_fn(logprobs, mb)
-        # Decided on the device, never read back: a non-finite loss adds nothing, and the
-        # gradient that reaches the head's output is exactly zero (the loss's own backward may
-        # turn its zero gradient into NaN, zero times a NaN input), so every rank runs the same
-        # backward and the parameters get zeros from this micro-batch.
-        finite = torch.isfinite(mb_loss)
-        zero = torch.zeros((), dtype=mb_loss.dtype, device=mb_loss.device)
-        head_out.register_hook(lambda grad, finite=finite: torch.where(finite, grad, 0.0))
-        (torch.where(finite, mb_loss, zero) * scale).backward()
-        loss_sum += torch.where(finite, mb_loss.detach(), zero)
-        nan_count += (~finite).float()
-        for key, value in mb_sums.items():
-            value = value.detach().float()
-            sums[key] = sums.get(key, 0.0) + torch.where(finite, value, torch.zeros_like(value))
+    with casts_kept_for_the_step(runtime):
+        for mb in batch.micro_batches[: micro_batches_to_run(loss_tokens_per_mb, runtime)]:
+            mb = to_device(mb, device)
+            rows = rows_of(mb)
+            temperatures = None if temperatures_of is None else temperatures_of(mb)
+            wanted = loss_tokens_of(rows, temperatures, entropy)
+            with record_router_logits(model) as router_logits:
+                head_out, logprobs = forward_loss_tokens(model, rows, wanted, chunk_tokens)
+            if top_k:
+                stats = router_stats(router_logits, top_k)
+                moe_stats = stats if moe_stats is None else moe_stats + stats
+            mb_loss, mb_sums = loss_fn(logprobs, mb)
+            # Decided on the device, never read back: a non-finite loss adds nothing, and the
+            # gradient that reaches the head's output is exactly zero (the loss's own backward may
+            # turn its zero gradient into NaN, zero times a NaN input), so every rank runs the same
+            # backward and the parameters get zeros from this micro-batch.
+            finite = torch.isfinite(mb_loss)
+            zero = torch.zeros((), dtype=mb_loss.dtype, device=mb_loss.device)
+            head_out.register_hook(lambda grad, finite=finite: torch.where(finite, grad, 0.0))
+            (torch.where(finite, mb_loss, zero) * scale).backward()
+            loss_sum += torch.where(finite, mb_loss.detach(), zero)
+            nan_count += (~finite).float()
+            for key, value in mb_sums.items():
+                value = value.detach().float()
+                sums[key] = sums.get(key, 0.0) + torch.where(finite, value, torch.zeros_like(value))
     keys = sorted(sums)
     reduced = all_reduce_sum(
         torch.stack(
@@ -226,6 +227,17 @@ def accumulate_gradients_(
         moe_stats=moe_stats,
         loss_denominator=samples if per_sample else None,
     )
+
+
+def casts_kept_for_the_step(runtime: Runtime) -> contextlib.AbstractContextManager:
+    """Around a step's micro-batches when the model computes under autocast (one process,
+    float32 masters): an autocast region that is off, inside which the model's own region
+    nests, so autocast keeps its casts of the masters until the step ends (it clears them when
+    its outermost region closes): each is cast once a step, not once a micro-batch and again in
+    each recomputed loss chunk. The loss and the backward run outside autocast, as before."""
+    if not runtime.offload.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(runtime.device.type, enabled=False)
 
 
 @contextlib.contextmanager
@@ -291,9 +303,8 @@ def skips_on_device(optimizer: torch.optim.Optimizer, norm: Tensor) -> bool:
     """Whether the optimizer can skip a non-finite update on the device: torch's fused
     optimizers take GradScaler's found_inf, a plain tensor (not a DTensor, hence one process)."""
     fused = all(group.get("fused") for group in optimizer.param_groups)
-    return fused and getattr(optimizer, "_step_supports_amp_scaling", False) and (
-        type(norm) is Tensor
-    )
+    amp = getattr(optimizer, "_step_supports_amp_scaling", False)
+    return fused and amp and type(norm) is Tensor
 
 
 def complete_step_(
