@@ -1,4 +1,7 @@
-"""Config schema: the frozen dataclasses, their introspection and JSON serialization. Pure.
+"""Config schema: the frozen dataclasses, their introspection and JSON serialization. Pure,
+except that `source_kind` (and through it `source_name` and `repeated_source_names`) asks the
+filesystem whether a data source's path is a directory, and `field_docs` (through it `all_keys`,
+`help_text` and `markdown_keys`) reads this module's source file.
 
 Each field has a one-line docstring right under it; `field_docs` reads them from this module's
 source for `--help-config` and the README.

@@ -1,7 +1,12 @@
-"""Cross-field validation of a built config: values, several fields, the world size. Pure.
+"""Cross-field validation of a built config: values, several fields, the world size. Pure,
+except that it imports the user modules a config names for `monitors`, `loss.custom` and
+`dpo.custom` (fnt.config.references.require_function: each must name a function of the right
+shape), and asks whether each data source's path is a directory (for its metric name,
+fnt.config.schema.source_name).
 
 The parallel plan is checked here with the same rules as at setup (fnt.config.parallel), so a plan
-that cannot run is rejected on the command line, before torch is imported.
+that cannot run is rejected on the command line before fnt imports torch. A module the config
+names is imported here, though, and may import torch itself (a custom loss usually does).
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
-"""What the rollout engines share. Side effects: PromptRollouts reads the tokenizer and the
-prompts file; rollout_metrics all-reduces across ranks.
+"""What the rollout engines share. Side effects: `PromptRollouts` reads the tokenizer, the
+model's generation_config.json and the prompts (rollout.prompts, or an environment's own), and
+imports the reward or environment a "module:function" names (fnt.rollout.environments); its
+`episodes` run what the sampler and the environment do; its `batch` saves the step's samples on a
+sample step ({output_dir}/samples/step_N.jsonl, rank 0, after an all-gather:
+fnt.rollout.saved_samples) and all-reduces the micro-batch count; `rollout_metrics` all-reduces
+across ranks. The rest is pure.
 
 The engines that sample rollout.prompts (in-process and vLLM) share PromptRollouts: the prompts,
 their order, the reward, which prompts a step takes, scoring and packing a rank's samples.
