@@ -122,10 +122,18 @@ def wait_for_fresh_rollouts(path: Path, step: int, async_level: int, timeout_s: 
 
 
 def _int_list(value: Any, key: str, where: str) -> list[int]:
+    """record[key] as token ids: integers, none negative. (An id past the model's vocabulary is
+    located by fnt.sources.checked_token_ids before the model reads it; a negative one would
+    already break the tokenizer's decoding of the saved samples.)"""
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         raise DataError(f"{where}: '{key}' must be a list of token ids (integers)")
+    negative = next((i for i, v in enumerate(value) if v < 0), None)
+    if negative is not None:
+        raise DataError(
+            f"{where}: '{key}'[{negative}] = {value[negative]} is not a token id (ids are >= 0)"
+        )
     return value
 
 

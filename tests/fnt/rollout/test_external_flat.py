@@ -57,6 +57,7 @@ def test_a_flat_line_parses_into_its_trajectory():
             r"'ref_logprobs' must be finite log-probabilities",
         ),
         ({"turns": -1}, r"'turns' must be an integer >= 0"),
+        ({"token_ids": [5, -2, *range(7)]}, r"'token_ids'\[1\] = -2 is not a token id"),
     ],
 )
 def test_each_malformed_flat_field_is_a_located_error(fields, message):

@@ -41,6 +41,9 @@ def line(**fields) -> str:
         # Not a log-probability: above 0 by more than a sampler's rounding.
         ({"inference_logprobs": [-0.1, 0.7, -0.3]}, "'inference_logprobs' must be finite log-p"),
         ({"ref_logprobs": [0.01, -0.2, -0.3]}, "'ref_logprobs' must be finite log-p"),
+        # A negative id would break the tokenizer's decoding of the saved samples.
+        ({"prompt_ids": [10, -1, 12]}, r"'prompt_ids'\[1\] = -1 is not a token id"),
+        ({"completion_ids": [3, 4, -7]}, r"'completion_ids'\[2\] = -7 is not a token id"),
     ],
 )
 def test_non_finite_or_malformed_values_name_the_file_and_line(fields, message):
