@@ -1,5 +1,4 @@
 """Log-probabilities of the loss tokens, from the final hidden states and the LM head in chunks.
-
 Pure, except `chunked_head`, which replaces the LM head's forward inside its block.
 
 The full logits of a micro-batch are [B, T, V]: at Qwen3's vocabulary (151,936) one float32 copy
@@ -142,9 +141,10 @@ def compiled_head_stats() -> Callable[..., Tensor]:
     return torch.compile(_plain_head_stats, dynamic=True)
 
 
-LOSS_KERNELS = ("eager", "compiled")
-AUTO_LOSS_KERNEL = {"cuda": "eager"}
-"""What model.loss_kernel = "auto" means per device type (elsewhere: eager)."""
+AUTO_LOSS_KERNEL: dict[str, str] = {}
+"""What model.loss_kernel = "auto" means per device type, where it is not "eager": a device
+type gets "compiled" once the GPU check (scripts/bench_loss.py --kernels) has measured it
+faster there; none has been yet."""
 
 
 def resolve_loss_kernel(setting: str, device_type: str) -> str:
@@ -153,7 +153,7 @@ def resolve_loss_kernel(setting: str, device_type: str) -> str:
 
 
 def use_loss_kernel_(model: nn.Module, kernel: str) -> None:
-    """Make the model's chunked head compute each chunk with `kernel` (LOSS_KERNELS)."""
+    """Make the model's chunked head compute each chunk with `kernel` ("eager" or "compiled")."""
     model.get_output_embeddings()._fnt_loss_kernel = kernel
 
 
