@@ -52,3 +52,30 @@ def test_nan_or_no_loss_on_one_rank_neither_hangs_nor_poisons_weights(two_rank_r
         # Two micro-batches per rank and step: rank 1 runs its last one at step 2 although it
         # has no loss tokens, because rank 0's has (a mismatch would hang FSDP2).
         assert r["forwards"] == 4
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_on_the_device(tiny_model_dir):
+    """torch's fused AdamW is given the decision (found_inf) and leaves weights, moments and
+    step counts as they were, without the host reading the norm; the next step trains."""
+    state = make_state(tiny_model_dir)
+    model, optimizer = state.handles.model, state.handles.optimizer
+    assert all(group["fused"] for group in optimizer.param_groups)
+    rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
+    batch = batch_of(rows, micro_batch_size=2)
+    state, _ = sft_step(state, batch)  # the optimizer's state exists from here
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    steps = [optimizer.state[p]["step"].clone() for p in model.parameters()]
+    weight = next(model.parameters())
+    handle = weight.register_hook(lambda grad: grad * float("inf"))
+    state, metrics = sft_step(state, batch)
+    handle.remove()
+    assert float(metrics["optim/skipped"]) == 1.0
+    assert not math.isfinite(float(metrics["optim/grad_norm"]))
+    assert all(torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
+    for p, m0, s0 in zip(model.parameters(), moments, steps):
+        assert torch.equal(optimizer.state[p]["exp_avg"], m0)
+        assert torch.equal(optimizer.state[p]["step"], s0)
+    state, metrics = sft_step(state, batch)
+    assert float(metrics["optim/skipped"]) == 0.0
+    assert any(not torch.equal(p, p0) for p, p0 in zip(model.parameters(), before))
