@@ -1,4 +1,5 @@
-"""fnt: LLM post-training as an explicit fold over immutable TrainState records.
+"""fnt: LLM post-training as an explicit fold over immutable TrainState records. Pure: this
+file only re-exports the public API (the side effects of each name are its module's).
 
 The public API is importable from here (`from fnt import init_state, fold, run`); each name is
 loaded on first use, so that `import fnt.config` (used to reject a bad command line within a

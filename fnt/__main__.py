@@ -1,4 +1,7 @@
-"""The `fnt` command line: `fnt COMMAND ...`, or `python -m fnt COMMAND ...`.
+"""The `fnt` command line: `fnt COMMAND ...`, or `python -m fnt COMMAND ...`. Side effects:
+those of the command it runs (each command's module names its own: a training command takes the
+output_dir's lock on rank 0 and runs `fnt.run`; `export` writes --out); it prints the usage, the
+version and export's summary, and exits with the command's status (2 on bad input).
 
 The second form is the one torchrun launches: `torchrun --nproc-per-node 2 -m fnt sft ...`.
 

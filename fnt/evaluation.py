@@ -4,7 +4,6 @@ samples (`val.sources`) and, in RL, the mean reward of greedy answers to held-ou
 run it is `PairEvalData`, the rewards and logprobs of held-out pairs (fnt.preference), which
 shares its passes over all pairs with the precomputed reference (`reference_table`: it also
 reads and writes its entry in the data cache).
-
 Side effects: `load_eval_data` reads the val sources and prompts (init_state calls it before
 the model loads, so a bad file fails first). An evaluation (`EvalData.evaluate`) runs forward
 passes of the model without gradients, in eval mode and then back in the mode it was in; it

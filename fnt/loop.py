@@ -1,4 +1,7 @@
-"""The fold and the driver.
+"""The fold and the driver. Side effects: `run` has those of a whole training run (its
+RunContext's, its RowBuilder's, its start state's, and the step function's, batch source's and
+`on_state`'s it calls), saves and prunes checkpoints (`save_and_prune_`) and prints a line on
+rank 0 after the last save; `newest_checkpoint` lists checkpoints/. `fold` is pure control flow.
 
 `fold` is pure control flow: it threads a TrainState through a batch source and a step function.
 `run` is the driver: the loop below, over a RunContext (fnt.run_context: signals, the launcher

@@ -1,6 +1,5 @@
 """The per-pair quantities of preference optimization, which the DPO step (steps/dpo.py), the
 held-out evaluation of pairs and the precomputed reference share.
-
 Side effects: `reference_sums` and `with_reference_logps` run forward passes (collectives
 under FSDP2); the rest is pure. The held-out pairs and the precomputed reference table, which
 read data and run whole passes over it, are fnt.evaluation's (`PairEvalData`,

@@ -1,7 +1,11 @@
-"""Command-line front end shared by the `fnt` commands. Side effects: prints, exits.
+"""Command-line front end shared by the `fnt` commands. Side effects: prints, exits, reads
+the launcher's environment ($RANK, $WORLD_SIZE) and, under torchrun, writes the error line into
+$TORCHELASTIC_ERROR_FILE; parsing reads the TOML file and validation imports the modules a
+config names (fnt.config).
 
-Parsing and validation happen before torch or transformers are imported, so a bad command
-line exits with status 2 within about a second.
+Parsing and validation happen before fnt imports torch or transformers (a module the config
+names for monitors, loss.custom or dpo.custom may import them itself), so a bad command line
+exits with status 2 within about a second.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
 """Look at a run directory without W&B: `fnt inspect RUN [--json] [--diff OTHER_RUN]`.
-
 Side effects: `read_run` reads a run directory and `main` prints; `parse_metrics`, `summary`,
 `format_summary` and `config_diff` are pure. Nothing here imports torch, so `fnt inspect` (and
 `fnt plot`, which reads runs through `read_run`) answers in a fraction of a second.

@@ -1,5 +1,4 @@
 """Plot runs without W&B: `fnt plot RUN [RUN...] [--keys K,...] [--out FILE.png] [--smooth N]`.
-
 Side effects: `plot_runs` writes a PNG (whole or not at all, signed "fnt plot" so that the next
 plot may replace it and nothing else: fnt.store.paths.check_output_file); `main` reads run
 directories (through `fnt.apps.inspect.read_run`) and prints. `series`, `smooth` and

@@ -1,11 +1,14 @@
 """Configuration: the frozen dataclasses, loading from TOML and the command line, validation.
+Side effects: loading reads the TOML file and prints a warning for a deprecated spelling;
+validation imports the modules a config names (monitors, loss.custom, dpo.custom); a data
+source's kind asks whether its path is a directory; the rest is pure.
 
-- `fnt.config.schema`: the dataclasses, their introspection (help, README table), JSON. Pure.
+- `fnt.config.schema`: the dataclasses, their introspection (help, README table), JSON.
 - `fnt.config.loading`: defaults < TOML file < command line, and JSON back into a config.
-- `fnt.config.validation`: cross-field rules, the parallel plan included. Pure.
+- `fnt.config.validation`: cross-field rules, the parallel plan included.
 
-Nothing here imports torch or transformers, so the scripts reject a bad command line within
-about a second.
+Nothing here imports torch or transformers (a module a config names may: validation imports it),
+so the scripts reject a bad command line within about a second.
 """
 
 from fnt.config.engines import ENGINES, Engine, engine_of

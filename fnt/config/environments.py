@@ -1,6 +1,6 @@
 """The RL environments fnt knows by name, one entry each: how rollout.environment names them,
-what installs them and whether they bring their own prompts. Pure, apart from
-`require_installed`, which asks the import system whether a package is present (no import).
+what installs them and whether they bring their own prompts. Pure, apart from `is_installed`
+and `require_installed`, which ask the import system whether a package is present (no import).
 
 rollout.environment is routed by its part before the first ":" (`environment_kind`): empty is the
 single-turn environment with rollout.reward; a registered prefix ("reasoning_gym", "verifiers")

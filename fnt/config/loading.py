@@ -1,6 +1,7 @@
 """Building a config from raw values: defaults < TOML file < command line, and from JSON.
-
-`load_config` reads the TOML file named by `--config`; everything else here is pure.
+Side effects: `load_config` reads the TOML file named by `--config`; a deprecated spelling of a
+value prints a warning to stderr (on rank 0: $RANK); the keys come from the schema's source
+(fnt.config.schema.field_docs). Everything else here is pure.
 
 Precedence is CLI > TOML file > defaults. Keys are dotted paths (`optim.lr`); `-` and `_` are
 the same in keys. Every problem raises `ConfigError` naming the key, where the value came from,

@@ -1,5 +1,8 @@
 """The SFT data pipeline: JSONL chats to packed, rank-sharded batches, and synthetic debugging
-data. Pure except that load_source_data and load_corpus read the source files.
+data. Side effects: reading the sources (load, hub, the loaders of sft and pairs), reading and
+writing the cache of tokenized sources (cache, which also gathers over the ranks) and
+`chat_masking`'s reads of the chat template and generation_config.json (chat); corpus, order,
+packing and synthetic are pure; this file only re-exports them.
 
     records (chat) -> Corpus (load, corpus) -> SampleOrder (order) -> StepPlan, PackedRows
     (packing) -> SftBatch per rank (sft: SourceData.batch)

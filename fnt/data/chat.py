@@ -1,4 +1,6 @@
-"""Turn one JSONL record into token ids and a loss mask via the chat template. Pure.
+"""Turn one JSONL record into token ids and a loss mask via the chat template. Pure, except
+`chat_masking`, which reads the data.chat_template file (when it names one) and the model
+directory's generation_config.json (fnt.model.tokenizer.stop_token_ids).
 
 Record formats:
 - `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`: a chat, rendered with the

@@ -1,6 +1,7 @@
 """Preference pairs: records of (prompt, chosen, rejected) to packed, rank-sharded pair batches.
 Side effects: `load_pair_corpus` and `load_pair_data` read and tokenize the sources (through the
-cache of tokenized sources, fnt.data.cache); the rest is pure.
+cache of tokenized sources, fnt.data.cache); `PairData.locate` reads a bad token's record again
+(for its error message); the rest is pure.
 
 Record formats (the keys are the source's columns: prompt_column, messages_column,
 chosen_column, rejected_column):

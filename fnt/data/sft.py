@@ -1,5 +1,6 @@
 """SFT batches from JSONL sources. Side effects: `load_source_data` reads and tokenizes the sources
-once, so data errors surface before training; the rest is pure.
+once, so data errors surface before training; `SourceData.locate` reads a bad token's record again
+(for its error message); the rest is pure.
 
 Every rank plans each global step identically (fnt.data.packing), then materializes only its own
 rows (`rank_share`), split into micro-batches of micro_batch_size rows. The data position in each

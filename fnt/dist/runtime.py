@@ -1,4 +1,6 @@
-"""Process setup shared by every trainer. Side effects: process group, threads, matmul precision.
+"""Process setup shared by every trainer. Side effects: process group, threads, matmul precision;
+`setup_trainer` reads the launcher's environment ($RANK, $WORLD_SIZE, ...) and the model's
+config.json.
 
 The decisions are pure functions (`plan_parallel_dims` and `resolve_ep` from fnt.config.parallel,
 `threads_per_rank`); `setup_trainer` applies them and returns a frozen Runtime record;

@@ -1,6 +1,9 @@
 """The model layer: loading, sharding, the forward pass's parts, LoRA and tokenizers. Loading
 and sharding (loading, sharded_load, shards), what the forward pass is made of (attention,
-lm_head, moe), LoRA adapters (lora), tokenizers and the tiny debug model.
+lm_head, moe), LoRA adapters (lora), tokenizers and the tiny debug model. Side effects: its
+modules' (reading model directories, building, sharding and compiling models in place, writing
+the tiny model), each named in its module; shards is pure; this file only re-exports the names
+of fnt.model.loading, imported on first use.
 
 The names of `fnt.model.loading` stay importable from `fnt.model` (the module this package
 replaced), loaded on first use so that importing a sibling stays light.

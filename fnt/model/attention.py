@@ -1,6 +1,6 @@
 """How the model's attention keeps packed documents apart, by kernel: one table. Pure, except
-`register_kernels_` (adds fnt's attention functions to transformers' registry, once a process)
-and `decoding_attention` (switches a model's kernel inside its block).
+`register_kernels_` (adds fnt's attention functions to transformers' registry, once a process;
+`hf_attention_name` calls it) and `decoding_attention` (switches a model's kernel inside its block).
 
 A packed row holds several documents; a token may attend only to earlier tokens of its own
 document. `KERNELS` says, for each `model.attn_implementation`, how the documents reach the

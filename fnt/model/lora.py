@@ -1,11 +1,10 @@
 """LoRA adapters on a Hugging Face causal LM, built with PEFT (model.lora).
-
 Side effects: `add_adapters_` replaces the target modules in place (PEFT's LoRA layers) and
 freezes everything else; `init_adapters_` writes the adapters' starting values into their (maybe
 sharded) parameters; `adapters_disabled` switches every adapter off inside its block, making the
 model its base (RL's reference policy); `save_adapter_` writes a PEFT adapter directory.
 `merge_adapters` (pure) returns a state dict with the adapters added into the base weights;
-`base_fingerprint` hashes a base directory's index.
+`base_fingerprint` reads and hashes a base directory's index.
 
 Why PEFT's layers inside fnt's own loading: the adapter format is the one vLLM, TRL and
 `PeftModel.from_pretrained` read, and PEFT's `inject_adapter_in_model` works on the model in

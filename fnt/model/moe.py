@@ -1,8 +1,7 @@
 """Mixture-of-experts: the model's expert counts and the load-balance statistics of its routers.
-
-Pure: `num_experts_of` and `moe_top_k` (read the Hugging Face config), `router_stats` and
-`moe_metrics` (tensor math), `routers`. `record_router_logits` registers (and removes) forward
-hooks on the routers.
+Pure, except `record_router_logits`, which registers forward hooks on the routers (and removes
+them when its block ends): `num_experts_of` and `moe_top_k` read the Hugging Face config object,
+`router_stats` and `moe_metrics` are tensor math, `routers` finds the routers.
 
 For every MoE layer, the router picks the top-k experts of each token. Over one optimizer step
 (all micro-batches, all ranks):

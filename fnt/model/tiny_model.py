@@ -1,4 +1,5 @@
-"""Write a tiny Hugging Face causal LM directory for tests and demos (side effect: files in --out).
+"""Write a tiny Hugging Face causal LM directory for tests and demos. Side effects:
+`make_tiny_model_` writes --out and reads the --chat-template file; `main` prints a summary.
 
 --out is written whole or not at all, and only where no one else's files are (the rules of
 fnt.store.paths.check_output_dir: new, empty, a tiny model written before, or `--force`).

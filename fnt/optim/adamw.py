@@ -1,5 +1,4 @@
 """CPU AdamW for optimizer state held in host memory, with fp32 master weights.
-
 Side effects: ``CPUAdamW.step`` updates parameters and optimizer state in place;
 ``CPUAdamW(impl="native")`` compiles the C++ kernel on first use in a process (see
 ``fnt.native.build``). ``adamw_reference_`` updates the tensors it is given in place.

@@ -1,5 +1,4 @@
 """NUMA placement of a rank that offloads optimizer work to the CPU.
-
 Pure apart from reading sysfs: `parse_cpulist`, `numa_node_of`, `node_cpus`, `numa_binding`.
 Side effects: `bind_numa_` sets this process's CPU affinity.
 

@@ -1,5 +1,4 @@
 """Building the optimizer and the offload plan from config.
-
 `offload_plan` is pure. Side effects: `setup_optimizer` creates optimizer state for the model (and
 builds the native kernel for ``optim.impl = "native"``); `apply_compute_dtype_` casts parameters
 and hooks the model's and optimizer's state dicts; `set_lr_` sets the learning rate and

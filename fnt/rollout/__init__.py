@@ -1,6 +1,9 @@
 """RL rollouts: prompts -> sampled completions -> rewards -> group advantages -> packed RLBatch.
-Pure except the engine (fnt.rollout.engines.in_process), which loads a model copy, syncs it from the
-policy, generates and all-reduces metrics, and load_prompts, which reads the prompts file.
+Side effects: the engines' (fnt.rollout.engines: an inference copy of the model, generation, HTTP
+to vLLM servers, collectives), reading the prompts (prompts, base), saving sample files
+(saved_samples), publishing weights (publish), sampling (sampling) and importing the rewards and
+environments a config names (rewards, environments); advantages and pack are pure. This file
+only re-exports names, each imported from its module on first use.
 
     load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.dist.parallel)
     -> run_episodes (environments.episodes: batched turns of generate (sampling), the

@@ -1,5 +1,6 @@
 """RL prompts: read a JSONL file, render each prompt with the chat template, and the prompt order.
-`load_prompts` reads the file; everything else is pure.
+Side effects: `load_prompts` reads the file; rendering calls the environment's `start`; everything
+else is pure.
 
 Records: `{"prompt": str, ...}` is one user message; `{"messages": [...], ...}` is a chat whose last
 message is not the assistant's. Either is rendered with `add_generation_prompt=True`, so the model

@@ -1,7 +1,8 @@
 """RL environments: the protocol (protocol.py), the built-ins (single_turn.py, tools.py,
 feedback.py), reasoning-gym's tasks (tasks.py), the token-exact rendering of a conversation's
 next turn (render.py) and the episodes of a step run turn by turn (episodes.py). Pure, except
-that `environment_of` imports the module a "module:factory" names.
+that `environment_of` imports the module a "module:factory" (or a "module:function" reward)
+names and calls the factory.
 
 `rollout.environment = "module:factory"` names a function called once per run as
 factory(rollout_config) that returns the environment; empty is the single-turn environment

@@ -1,6 +1,7 @@
-"""verifiers tasksets as fnt environments: `rollout.environment = "verifiers:TASKSET"`. Imports
-the `verifiers` package (the optional extra `fnt[verifiers]`) and the taskset's module; the rest
-is pure, except for what the taskset's tools and rewards do.
+"""verifiers tasksets as fnt environments: `rollout.environment = "verifiers:TASKSET"`. Side
+effects: imports the `verifiers` package (the optional extra `fnt[verifiers]`) and the taskset's
+module, and runs what the taskset's tools and rewards do (each async one in an event loop of its
+own); the rest is pure.
 
 TASKSET names a module that exports one `vf.Taskset` subclass through `__all__`: an installed
 taskset package's id (as verifiers loads it: a built-in under verifiers.v1.tasksets, else the
