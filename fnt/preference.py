@@ -28,13 +28,14 @@ import torch
 from torch import Tensor, nn
 
 from fnt.batch import PairBatch, PairMicroBatch, row_layout, to_device
+from fnt.config.losses import PREFERENCE_LOSSES, names_where
 from fnt.dist.runtime import Runtime
 from fnt.model.lm_head import TokenLogprobs, at_loss_tokens, loss_tokens_of
 from fnt.model.lora import adapters_disabled
 from fnt.update import forward_loss_tokens, micro_batches_to_run
 
-REFERENCE_FREE = ("simpo", "orpo")
-"""The dpo.loss kinds that need no reference policy."""
+REFERENCE_FREE = names_where(PREFERENCE_LOSSES, "reference_free")
+"""The dpo.loss kinds that need no reference policy (fnt.config.losses: simpo, orpo)."""
 
 # The metric sums over pairs; every key is sent by every rank (one stacked all-reduce).
 SUM_KEYS = (
@@ -116,7 +117,7 @@ def pair_rewards(pairs: PairLogps, config: Any) -> tuple[Tensor, Tensor]:
             return config.beta * pairs.chosen_mean, config.beta * pairs.rejected_mean
         ref_chosen, ref_rejected = pairs.require_reference()
         chosen, rejected = pairs.chosen - ref_chosen, pairs.rejected - ref_rejected
-        if config.loss == "ipo":
+        if PREFERENCE_LOSSES[config.loss].per_token_rewards:  # ipo
             chosen, rejected = chosen / pairs.chosen_tokens, rejected / pairs.rejected_tokens
         return config.beta * chosen, config.beta * rejected
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fnt.config.losses import preference_loss
 from fnt.config.references import import_function
 from fnt.preference import PairLogps
 
@@ -77,10 +78,12 @@ LOSSES: dict[str, PairLoss] = {
     "simpo": simpo_loss,
     "orpo": orpo_loss,
 }
+"""The functions of the built-in losses by their `dpo.loss` name: every entry of
+fnt.config.losses.PREFERENCE_LOSSES but the custom one, whose function `dpo.custom` names."""
 
 
 def loss_of(config: Any) -> PairLoss:
     """The per-pair loss of the dpo section: a built-in kind, or dpo.custom's function."""
-    if config.loss == "custom":
+    if preference_loss(config.loss).custom:
         return import_function(config.custom, 2)
     return LOSSES[config.loss]

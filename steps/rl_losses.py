@@ -87,6 +87,7 @@ import torch
 from torch import Tensor
 
 from fnt.config import RLLossConfig
+from fnt.config.losses import AGGREGATIONS, rl_loss
 from fnt.config.references import import_function
 
 
@@ -210,7 +211,8 @@ LOSS_KINDS: dict[str, LossKindFn] = {
     "ratio": ratio_loss,
     "gspo": gspo_loss,
 }
-"""The built-in kinds by their `loss.kind` name ("custom" resolves `loss.custom`)."""
+"""The functions of the built-in kinds by their `loss.kind` name: every entry of
+fnt.config.losses.RL_LOSSES but the custom one, whose function `loss.custom` names."""
 
 
 @functools.cache  # resolved once per run, not once per micro-batch
@@ -223,7 +225,7 @@ def custom_loss_function(name: str) -> LossKindFn:
 
 def loss_kind_function(config: RLLossConfig) -> LossKindFn:
     """The per-token loss function `config.kind` selects."""
-    if config.kind == "custom":
+    if rl_loss(config.kind).custom:
         return custom_loss_function(config.custom)
     return LOSS_KINDS[config.kind]
 
@@ -252,11 +254,11 @@ def token_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
 
 def zero_without_advantages(config: RLLossConfig, has_inference_logprobs: bool) -> bool:
     """Whether the loss's gradient is exactly 0 when every advantage is 0, so that such a step
-    can be skipped: the built-in kinds, as long as no other term acts, i.e. without the
-    kl_tau penalty (or with it and no inference logprobs: log r is then 0 in value and
-    gradient) and without the reference KL. Never a custom loss, which may have a signal of its
-    own."""
-    if config.kind == "custom" or config.ref_kl_tau:
+    can be skipped: a kind whose entry says so (fnt.config.losses: the built-in kinds), as long
+    as no other term acts, i.e. without the kl_tau penalty (or with it and no inference
+    logprobs: log r is then 0 in value and gradient) and without the reference KL. Never a
+    custom loss, which may have a signal of its own."""
+    if not rl_loss(config.kind).zero_without_advantages or config.ref_kl_tau:
         return False
     return not config.kl_tau or not has_inference_logprobs
 
@@ -274,14 +276,17 @@ def ref_kl_k3(logp: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def aggregation_of(config: RLLossConfig) -> str:
-    """The aggregation a loss uses: loss.aggregation, but always "sequence" for gspo (its
-    objective is a mean over samples; module docstring)."""
-    return "sequence" if config.kind == "gspo" else config.aggregation
+    """The aggregation a loss uses: loss.aggregation, unless its kind's entry has one of its
+    own (fnt.config.losses: always "sequence" for gspo, whose objective is a mean over samples;
+    module docstring)."""
+    return rl_loss(config.kind).aggregation or config.aggregation
 
 
 def per_sample(aggregation: str) -> bool:
-    """Whether fnt.update divides the step's loss sum by its samples S (else by its tokens N)."""
-    return aggregation in ("sequence", "constant")
+    """Whether fnt.update divides the step's loss sum by its samples S (else by its tokens N):
+    the aggregation's entry in fnt.config.losses.AGGREGATIONS."""
+    entry = AGGREGATIONS.get(aggregation)
+    return entry is not None and entry.per_sample
 
 
 def aggregate(

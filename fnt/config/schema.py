@@ -25,6 +25,7 @@ from typing import Any, Literal, Union, get_args
 from dataclasses_json import dataclass_json
 
 from fnt.config.engines import ENGINES
+from fnt.config.losses import AGGREGATIONS, PREFERENCE_LOSSES, RL_LOSSES
 
 DtypeName = Literal["float32", "bfloat16"]
 """The dtypes a model's parameters or compute can have (fnt.model.loading.DTYPES maps them to
@@ -317,15 +318,20 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 # RL: the sections `fnt rl` adds
 
+RLLossKind = Literal[tuple(RL_LOSSES)]
+"""The names of the RL loss kinds (fnt.config.losses.RL_LOSSES)."""
+AggregationName = Literal[tuple(AGGREGATIONS)]
+"""The names of the loss aggregations (fnt.config.losses.AGGREGATIONS)."""
+
 
 @dataclass_json
 @dataclass(frozen=True)
 class RLLossConfig:
     """The RL policy-gradient loss: its kind, aggregation, penalties and reference model."""
 
-    kind: Literal["dppo_tv", "ipo", "ratio", "gspo", "custom"] = "dppo_tv"
+    kind: RLLossKind = "dppo_tv"
     """Per-token loss: dppo_tv (prime-rl default), ipo, ratio, gspo, custom (steps/rl_losses.py)."""
-    aggregation: Literal["token", "sequence", "constant"] = "token"
+    aggregation: AggregationName = "token"
     """Loss sum / loss tokens (token), mean of samples' means (sequence), / samples x max tokens."""
     dppo_mask_low: float = 0.2
     """dppo_tv: mask tokens with A < 0 whose probability already fell by more than this."""
@@ -479,13 +485,16 @@ class RLConfig(Config):
 # ---------------------------------------------------------------------------------------------
 # Preference optimization: the section `fnt dpo` adds
 
+PreferenceLossName = Literal[tuple(PREFERENCE_LOSSES)]
+"""The names of the preference losses (fnt.config.losses.PREFERENCE_LOSSES)."""
+
 
 @dataclass_json
 @dataclass(frozen=True)
 class PreferenceConfig:
     """Preference optimization on pairs (prompt, chosen, rejected): the loss and its reference."""
 
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "custom"] = "sigmoid"
+    loss: PreferenceLossName = "sigmoid"
     """sigmoid (DPO), ipo, simpo, orpo (reference-free), custom (steps/dpo_losses.py)."""
     beta: float = 0.1
     """Scale of the log-ratio margin (sigmoid, simpo), 1/(2 beta) IPO's target, ORPO's lambda."""
