@@ -24,6 +24,7 @@ from fnt.apps.cli import exit_on_bad_input, parse_config
 from fnt.apps.preflight import check_export, check_inputs, export_marker
 from fnt.config import Config, DPOConfig, RLConfig
 from fnt.config.schema import DTYPE_NAMES
+from fnt.errors import ConfigError
 from fnt.store.rundir import rank0_run_lock
 from fnt.store.transaction import staged_dir_
 
@@ -46,7 +47,7 @@ commands:
   inspect          summarize a run directory: fnt inspect RUN [--json] [--diff OTHER_RUN]
   plot             plot runs' metrics as one PNG: fnt plot RUN [RUN...] [--out FILE.png]
 
-`fnt sft --help` (and rl, dpo) lists the config keys; the other commands take --help too.
+`fnt sft --help` or `-h` (and rl, dpo) lists the config keys; every other command takes -h too.
 `fnt --version` prints the version.
 Under torchrun: torchrun --nproc-per-node N -m fnt sft --config FILE.toml"""
 
@@ -108,7 +109,15 @@ def rl(argv: list[str]) -> None:
     vLLM servers (`--rollout.engine vllm`) or, with `--rollout.engine external`, from an
     orchestrator writing {output_dir}/rollouts/. `fnt rl --list-environments` lists what
     rollout.environment can name."""
-    if argv == ["--list-environments"]:
+    if "--list-environments" in argv:
+        if any(arg in ("-h", "--help") for arg in argv):
+            print("usage: fnt rl --list-environments\n\nList what rollout.environment can name.")
+            sys.exit(0)
+        if len(argv) > 1:
+            raise ConfigError(
+                "--list-environments (command line) takes no other options: "
+                "fnt rl --list-environments"
+            )
         from fnt.apps.environments import main
 
         main()

@@ -1,7 +1,7 @@
 """Regenerate the generated tables of README.md and docs/ (writes each page that holds one,
 `PAGES`): the layout (README), from the folders and the docstrings of their packages and
 modules; the config keys, from the config dataclasses, and the TRL/transformers names, from
-`fnt.config.aliases.ALIASES` (docs/configuration.md); the resume policy, from
+`fnt.config.aliases.ALIASES` and `NO_EQUIVALENT` (docs/configuration.md); the resume policy, from
 `fnt.resume.RESUME_POLICY` (docs/run-directory.md); the public API, from the docstrings of what
 `fnt` exports (docs/api.md); every module (docs/design.md).
 
@@ -27,7 +27,7 @@ API = DOCS / "api.md"
 # Each page and the generated tables it holds (each table in one page only).
 PAGES = {
     README: ("layout",),
-    CONFIGURATION: ("aliases", "config-keys"),
+    CONFIGURATION: ("aliases", "no-equivalent", "config-keys"),
     RUN_DIRECTORY: ("resume-policy",),
     API: ("api",),
     DESIGN: ("modules",),
@@ -120,12 +120,22 @@ def markdown_api() -> str:
 
 def markdown_aliases() -> str:
     """configuration.md's table of the names TRL and transformers use, and fnt's key for each."""
-    from fnt.config.aliases import ALIASES
+    from fnt.config.aliases import ALIASES, aliases_of
 
     lines = ["| their name | fnt's key | how fnt differs |", "| --- | --- | --- |"]
-    for alias, (key, note) in ALIASES.items():
-        target = f"`{key}`" if key else "(none)"
-        lines.append(f"| `{alias}` | {target} | {note} |")
+    for name in ALIASES:
+        for alias in aliases_of(name):
+            value = f' = "{alias.value}"' if alias.value is not None else ""
+            lines.append(f"| `{name}` | `{alias.key}`{value} | {alias.note} |")
+    return "\n".join(lines)
+
+
+def markdown_no_equivalent() -> str:
+    """configuration.md's table of the TRL/transformers names fnt has no key for."""
+    from fnt.config.aliases import NO_EQUIVALENT
+
+    lines = ["| their name | what fnt answers |", "| --- | --- |"]
+    lines += [f"| `{name}` | {sentence} |" for name, sentence in NO_EQUIVALENT.items()]
     return "\n".join(lines)
 
 
@@ -150,6 +160,7 @@ def markdown_resume_policy() -> str:
 GENERATORS = {
     "layout": markdown_layout,
     "aliases": markdown_aliases,
+    "no-equivalent": markdown_no_equivalent,
     "config-keys": markdown_config_keys,
     "resume-policy": markdown_resume_policy,
     "api": markdown_api,

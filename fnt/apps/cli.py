@@ -101,21 +101,23 @@ def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
 
 def help_header(cls: type) -> str:
     """The usage lines above the key list of `fnt sft --help` / `fnt rl --help`. Pure."""
-    command = "fnt sft"
+    command, extra = "fnt sft", ""
     if issubclass(cls, RLConfig):
         command = "fnt rl"
+        extra = "       fnt rl --list-environments   (what rollout.environment can name)\n"
     elif issubclass(cls, DPOConfig):
         command = "fnt dpo"
     return f"""\
-usage: {command} [--config FILE.toml] [--KEY VALUE | --KEY=VALUE]... [--print-config] [--help]
-
+usage: {command} [--config FILE.toml] [--KEY VALUE | --KEY=VALUE]... [--print-config] [-h]
+{extra}
   --config FILE.toml  read keys from a TOML file; the command line overrides them
   --print-config      print the resolved config as JSON and exit
-  --help, --help-config
+  -h, --help, --help-config
                       print this list and exit
 
 Every config key is an option (`--optim.lr 1e-4`; `-` or `_` alike; a bare boolean key sets
-it to true). Keys:
+it to true). A name from TRL or transformers (`--learning_rate`) is answered with fnt's key.
+Keys:
 """
 
 

@@ -12,7 +12,6 @@ into exit status 2 before any model is built.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import sys
@@ -21,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from fnt.config.aliases import alias_hint
+from fnt.config.aliases import suggest
 from fnt.config.schema import Config, all_keys, field_types, flatten, type_name
 from fnt.errors import ConfigError
 
@@ -135,22 +134,9 @@ def _parse_cli_list(text: str) -> Any:
 
 
 def _suggest(key: str, known: list[str]) -> str:
-    alias = alias_hint(key, known)
-    if alias:
-        return alias
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close:
-        # A wrong last part under a right section ("optim.lrr") is the common typo.
-        leaf = key.rsplit(".", 1)[-1]
-        close = [
-            k
-            for k in known
-            if k.rsplit(".", 1)[-1]
-            in difflib.get_close_matches(
-                leaf, [k.rsplit(".", 1)[-1] for k in known], n=1, cutoff=0.6
-            )
-        ][:1]
-    return f"; did you mean '{close[0]}'?" if close else ""
+    """The did-you-mean of an unknown key (fnt.config.aliases.suggest: TRL's and transformers'
+    names first, then the nearest key by edit distance within its section)."""
+    return suggest(key, known)
 
 
 def _normalize_key(key: str) -> str:
@@ -164,11 +150,18 @@ def _normalize_table(table: dict) -> dict:
     }
 
 
-def _build(cls: type, values: dict, sources: dict[str, str], prefix: str = "") -> Any:
-    """Construct `cls` from a nested dict of already-layered raw values."""
+def _build(
+    cls: type,
+    values: dict,
+    sources: dict[str, str],
+    prefix: str = "",
+    every_key: list[str] | None = None,
+) -> Any:
+    """Construct `cls` from a nested dict of already-layered raw values. `every_key`: the keys
+    of the whole config, which an unknown key's suggestion is chosen from (default: cls's)."""
     hints = field_types(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    known = list(all_keys(cls, prefix))
+    known = every_key if every_key is not None else list(all_keys(cls, prefix))
     for key, raw in values.items():
         if key not in names:
             # Name the leaf the user wrote ("modl.name"), not just the unknown section.
@@ -202,7 +195,7 @@ def _build(cls: type, values: dict, sources: dict[str, str], prefix: str = "") -
                     f"'{key}' ({sources.get(key, 'config')}) is a section; expected a table of "
                     f"{type_name(tp)}, got {raw!r}"
                 )
-            kwargs[f.name] = _build(tp, raw, sources, key + ".")
+            kwargs[f.name] = _build(tp, raw, sources, key + ".", known)
             continue
         try:
             value = _coerce(raw, tp, sources.get(key, "").startswith("command line"))
@@ -255,6 +248,10 @@ def canonical_value(key: str, value: Any) -> Any:
         return value
 
 
+HELP_FLAGS = ("-h", "--help", "--help-config", "--help_config")
+"""The options that print the key list and exit, whatever else the command line holds."""
+
+
 @dataclass(frozen=True)
 class CliArgs:
     """The command line, split into its parts."""
@@ -266,7 +263,12 @@ class CliArgs:
 
 
 def split_cli(argv: list[str], cls: type = Config) -> CliArgs:
-    """Split argv into the config file, `key=value` overrides and the two info flags."""
+    """Split argv into the config file, `key=value` overrides and the two info flags
+    (`--print-config`; `--help`, `-h` or `--help-config`). `--key value` and `--key=value` are
+    the same; a key followed by another option or by nothing is a bare flag (true) when it may
+    be a boolean or is unknown, and otherwise needs a value."""
+    if any(arg in HELP_FLAGS for arg in argv):  # help wins over everything else, as argparse's
+        return CliArgs(None, (), False, True)
     leaf_types = {k: tp for k, (tp, _) in all_keys(cls).items()}
     config_file = None
     overrides: list[tuple[str, str]] = []
@@ -290,19 +292,29 @@ def split_cli(argv: list[str], cls: type = Config) -> CliArgs:
             continue
         if not has_value:
             nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if leaf_types.get(key) is bool and (nxt is None or nxt.startswith("--")):
-                value = "true"  # a bare boolean flag switches it on
-            elif nxt is None:
-                raise ConfigError(f"--{key} (command line) needs a value")
-            else:
+            if nxt is not None and not nxt.startswith("--"):
                 value = nxt
                 i += 1
+            elif key != "config" and (key not in leaf_types or _takes_bool(leaf_types[key])):
+                # A bare flag is true: a boolean key (or one that may be a boolean, such as
+                # model.compile), and a key fnt does not have (`--bf16`), which is then answered
+                # as an unknown key, not with the next option taken as its value.
+                value = "true"
+            else:
+                raise ConfigError(f"--{key} (command line) needs a value")
         if key == "config":
             config_file = value
         else:
             overrides.append((key, value))
         i += 1
     return CliArgs(config_file, tuple(overrides), print_config, help_config)
+
+
+def _takes_bool(tp: Any) -> bool:
+    """Whether a key of type `tp` takes true or false (bool, or a union with bool in it)."""
+    if tp is bool:
+        return True
+    return typing.get_origin(tp) in (Union, types.UnionType) and bool in typing.get_args(tp)
 
 
 def load_config(argv: list[str], cls: type = Config) -> tuple[Any, CliArgs]:
