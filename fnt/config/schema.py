@@ -446,11 +446,11 @@ class RolloutConfig:
     environment_args: str = ""
     """A JSON object of settings for environment = "verifiers:TASKSET": the taskset config's."""
     max_turns: int = 4
-    """Model turns per episode at most; an environment answering the last one truncates it."""
+    """Model turns per episode at most; an episode out of turns is not truncated: it is scored."""
     max_episode_tokens: int = 0
     """Tokens per episode at most, prompt, replies and sampled turns together (0: seq_len)."""
     on_truncated: Literal["score", "zero", "drop"] = "score"
-    """An episode ended by a limit: scored as it is, given reward 0, or dropped from the batch."""
+    """An episode a length limit cut: scored as it is, given reward 0, or dropped from the batch."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
     timeout_s: float = 600.0

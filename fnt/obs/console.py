@@ -147,8 +147,8 @@ def _clip(text: str, limit: int, tail: bool = False) -> str:
 
 def sample_lines(step: int, records: Sequence[Mapping[str, Any]], where: str) -> list[str]:
     """A few of a step's saved samples for the console: the best, a middle and the worst
-    reward (NaN last), each with its reward, length, whether a limit cut it, the end of its
-    prompt and the start of its completion. Pure."""
+    reward (NaN last), each with its reward, length, whether a length limit cut it or it ran out
+    of turns, the end of its prompt and the start of its completion. Pure."""
     ranked = sorted(
         range(len(records)),
         key=lambda i: -records[i]["reward"] if records[i]["reward"] is not None else math.inf,
@@ -162,7 +162,8 @@ def sample_lines(step: int, records: Sequence[Mapping[str, Any]], where: str) ->
     for i in picks[:CONSOLE_SAMPLES]:
         record = records[i]
         reward = "nan" if record["reward"] is None else f"{record['reward']:.3f}"
-        cut = ", cut by a limit" if record["truncated"] else ""
+        cut = ", cut by a length limit" if record["truncated"] else ""
+        cut += ", out of turns" if record.get("out_of_turns") else ""
         lines.append(
             f"  reward {reward} | {record['completion_tokens']} tokens{cut} | "
             f"{_clip(record['prompt'], 60, tail=True)} -> {_clip(record['completion'], 160)}"
@@ -221,10 +222,11 @@ def format_duration(seconds: float) -> str:
 
 
 def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_done: int) -> str:
-    """`step 3/5 | loss 2.1000 | reward 0.512 | turns 2.25 | len 11.5 | cut 25% | grad 0.83 |
-    lr 1.00e-03 | val/loss 2.3000 | 512 tok/s | rollout 0.12 s | 0.25 s/step | eta 0:00:01`,
-    each part only when the row has it (len: sampled tokens per episode; cut: the fraction of
-    episodes ended by a limit, max_new_tokens among them). Pure."""
+    """`step 3/5 | loss 2.1000 | reward 0.512 | turns 2.25 | len 11.5 | cut 25% | max_turns 50% |
+    grad 0.83 | lr 1.00e-03 | val/loss 2.3000 | 512 tok/s | rollout 0.12 s | 0.25 s/step | eta
+    0:00:01`, each part only when the row has it (len: sampled tokens per episode; cut: the
+    fraction of episodes a length limit cut, max_new_tokens or max_episode_tokens; max_turns:
+    the fraction that ran out of turns, answered at rollout.max_turns). Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
     for key, label, spec in CONSOLE_FIELDS:
@@ -263,6 +265,7 @@ CONSOLE_FIELDS = (
     ("rollout/turns/mean", "turns", ".2f"),
     ("rollout/completion_len/mean", "len", ".1f"),
     ("rollout/truncated_fraction", "cut", ".0%"),
+    ("rollout/max_turns_fraction", "max_turns", ".0%"),
     ("optim/grad_norm", "grad", ".3g"),
     ("optim/lr", "lr", ".2e"),
     ("val/loss", "val/loss", ".4f"),

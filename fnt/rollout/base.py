@@ -33,6 +33,7 @@ from fnt.rollout.environments import SingleTurnEnvironment, environment_of
 from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
+    ran_out_of_turns,
     run_episodes,
     scored_samples,
 )
@@ -242,6 +243,7 @@ EPISODE_SUMS = (
     "tool_calls",
     "tool_errors",
     "truncated",
+    "out_of_turns",
 )
 
 
@@ -269,6 +271,7 @@ def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
         "tool_calls": float(sum(s.tool_calls for s in samples)),
         "tool_errors": float(sum(s.tool_errors for s in samples)),
         "truncated": float(sum(s.truncated for s in samples)),
+        "out_of_turns": float(sum(ran_out_of_turns(s) for s in samples)),
         "named": named,
     }
 
@@ -278,8 +281,11 @@ def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, f
 
     reward/* are over the finite rewards (NaN when there are none); rollout/bad_rewards counts
     the NaN/inf ones; rollout/completion_len/mean is the sampled tokens per episode (a
-    single-turn sample's completion length); rollout/dropped_episodes counts the truncated
-    episodes rollout.on_truncated = "drop" left out of the batch.
+    single-turn sample's completion length); rollout/truncated_* count the episodes a length
+    limit cut (max_new_tokens, max_episode_tokens) and rollout/max_turns_* those that ran out of
+    turns (rollout.max_turns): two outcomes, an episode has at most one
+    (fnt.rollout.environments.episodes); rollout/dropped_episodes counts the truncated episodes
+    rollout.on_truncated = "drop" left out of the batch.
     """
     n, nan = sums["episodes"], math.nan
     rewards = (
@@ -296,12 +302,14 @@ def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, f
         "reward/std": rewards.get("reward/std", nan),
         "rollout/completion_len/mean": per_episode("sampled_tokens"),
         "rollout/truncated_fraction": per_episode("truncated"),
+        "rollout/max_turns_fraction": per_episode("out_of_turns"),
         "rollout/bad_rewards": sums["bad_rewards"],
         "rollout/episodes": n,
         "rollout/turns/mean": per_episode("turns"),
         "rollout/tool_calls/mean": per_episode("tool_calls"),
         "rollout/tool_errors/mean": per_episode("tool_errors"),
         "rollout/truncated_episodes": sums["truncated"],
+        "rollout/max_turns_episodes": sums["out_of_turns"],
         "rollout/dropped_episodes": float(dropped),
         "rollout/sampled_tokens": sums["sampled_tokens"],
         "rollout/context_tokens": sums["context_tokens"],

@@ -34,6 +34,9 @@ def test_an_rl_step_line_has_rollout_time_completion_length_and_cut_fraction():
     line = console_line(row, 4, 1.0, 1)
     assert " | len 11.5 | cut 100% | " in line and " | rollout 0.25 s | " in line, line
     assert " | cut 0% | " in console_line({**row, "rollout/truncated_fraction": 0.0}, 4, 1.0, 1)
+    # Running out of turns has a column of its own, after the length cuts.
+    line = console_line({**row, "rollout/max_turns_fraction": 0.5}, 4, 1.0, 1)
+    assert " | cut 100% | max_turns 50% | " in line, line
 
 
 def test_the_rl_summary_names_engine_prompts_group_reward_async_and_limits():
@@ -132,8 +135,10 @@ def test_the_console_shows_the_best_a_middle_and_the_worst_sample():
     ]
     assert lines[1].endswith("'p2' -> 'c2'")
     assert sample_lines(1, records([0.5]), "f")[1:] == [
-        "  reward 0.500 | 3 tokens, cut by a limit | 'p0' -> 'c0'"
+        "  reward 0.500 | 3 tokens, cut by a length limit | 'p0' -> 'c0'"
     ]
+    out = [{**records([0.5])[0], "truncated": False, "out_of_turns": True}]
+    assert sample_lines(1, out, "f")[1] == "  reward 0.500 | 3 tokens, out of turns | 'p0' -> 'c0'"
 
 
 def test_the_wandb_table_has_a_row_per_sample_and_a_column_per_named_reward():

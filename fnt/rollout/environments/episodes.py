@@ -9,12 +9,18 @@ continuation per running episode. After every turn the environment answers or en
 episode, and the reply's tokens are appended after the sampled ones
 (fnt.rollout.environments.render).
 
-Limits (rollout.max_turns, rollout.max_episode_tokens: 0 means seq_len) end an episode as
-truncated: a turn cut off by max_new_tokens or by the token budget, a reply after the last
-allowed turn, or a reply that leaves no room for another sampled token. rollout.on_truncated
-decides what a truncated episode is worth: "score" scores it as it is, "zero" gives it reward 0
+Two limits end an episode early, and they are two outcomes. Truncation is a length cut: a turn
+cut off by max_new_tokens or by the episode's token budget (rollout.max_episode_tokens: 0 means
+seq_len), or a reply that leaves no room for another sampled token. Running out of turns is not:
+the environment answered the last turn rollout.max_turns allows (it would have gone on), so the
+episode's last turn is complete and the environment scores it as it is
+(`Episode.out_of_turns`, rollout/max_turns_fraction). rollout.on_truncated decides what a
+truncated episode is worth, and only that: "score" scores it as it is, "zero" gives it reward 0
 without asking the environment, "drop" leaves it out of the batch (its group's advantages come
-from the others); rollout/truncated_episodes and rollout/dropped_episodes count them. A
+from the others); rollout/truncated_episodes and rollout/dropped_episodes count them. Zeroing
+or dropping out-of-turns episodes would make a wrong last answer missing rather than wrong (a
+group that drops its failures trains on its successes alone); an environment that wants such
+an episode worth less says so in its `score`, which sees the whole conversation. A
 trajectory always ends with its last sampled token: a reply after which nothing was sampled is
 not part of it.
 """
@@ -47,6 +53,21 @@ class EpisodeRules:
     std_normalize: bool
     prompts_path: str
     name: str  # how errors name the environment: "reward 'x'" or "environment 'm:f'"
+
+
+@dataclass(frozen=True)
+class EpisodeSample(RolloutSample):
+    """A scored episode: its RolloutSample (fnt.rollout.pack) and whether it ran out of turns,
+    an outcome of its own beside `truncated` (module docstring)."""
+
+    out_of_turns: bool = False
+    """The environment answered the last turn rollout.max_turns allows; not truncation."""
+
+
+def ran_out_of_turns(sample: RolloutSample) -> bool:
+    """Whether the sample's episode ran out of turns (`EpisodeSample`); False for a sample that
+    no episode runner made (an external orchestrator's). Pure."""
+    return bool(getattr(sample, "out_of_turns", False))
 
 
 class TurnSampler(Protocol):
@@ -83,7 +104,8 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    truncated: bool = False
+    truncated: bool = False  # a length cut (module docstring)
+    out_of_turns: bool = False  # the environment answered the last allowed turn
     running: bool = True
     named: Optional[Scored] = field(default=None)
 
@@ -137,7 +159,7 @@ def advance_(
     episode.tool_calls += reply.tool_calls
     episode.tool_errors += reply.tool_errors
     if episode.turns >= rules.max_turns:
-        episode.truncated, episode.running = True, False
+        episode.out_of_turns, episode.running = True, False
         return
     try:
         ids = reply_ids(
@@ -215,7 +237,8 @@ def scored_samples(
     policy_step: Optional[int] = None,
 ) -> tuple[list[RolloutSample], int]:
     """Each group's episodes scored and given their group's advantages, as samples in prompt
-    order, and how many truncated episodes rollout.on_truncated = "drop" left out."""
+    order, and how many truncated episodes rollout.on_truncated = "drop" left out (an episode
+    that ran out of turns is scored, never zeroed or dropped)."""
     samples: list[RolloutSample] = []
     dropped = 0
     for group in episodes:
@@ -236,7 +259,7 @@ def scored_samples(
         else:
             advantages = [0.0] * len(rewards)
         samples += [
-            RolloutSample(
+            EpisodeSample(
                 token_ids=tuple(e.token_ids),
                 sampled=tuple(e.sampled),
                 logprobs=tuple(e.logprobs),
@@ -248,6 +271,7 @@ def scored_samples(
                 truncated=e.truncated,
                 policy_step=policy_step,
                 named_rewards=s.named,
+                out_of_turns=e.out_of_turns,
             )
             for e, s, advantage in zip(kept, scores, advantages)
         ]

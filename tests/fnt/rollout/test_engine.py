@@ -25,7 +25,12 @@ from fnt.rollout import (
     rollout_metrics,
 )
 from fnt.rollout.environments import SingleTurnEnvironment
-from fnt.rollout.environments.episodes import EpisodeRules, run_episodes, scored_samples
+from fnt.rollout.environments.episodes import (
+    EpisodeRules,
+    EpisodeSample,
+    run_episodes,
+    scored_samples,
+)
 from fnt.rollout.pack import ROW_MULTIPLE, single_turn
 from fnt.rollout.rewards import score, similarity
 from fnt.sources import rl_source
@@ -294,16 +299,24 @@ def test_rollout_metrics_of_one_process():
         "rollout/tokens_per_second": 10.0,
         "rollout/completion_len/mean": 5.0,
         "rollout/truncated_fraction": 0.25,
+        "rollout/max_turns_fraction": 0.0,
         "rollout/bad_rewards": 0.0,
         "rollout/episodes": 4.0,
         "rollout/turns/mean": 1.0,
         "rollout/tool_calls/mean": 0.0,
         "rollout/tool_errors/mean": 0.0,
         "rollout/truncated_episodes": 1.0,
+        "rollout/max_turns_episodes": 0.0,
         "rollout/dropped_episodes": 0.0,
         "rollout/sampled_tokens": 20.0,
         "rollout/context_tokens": 4.0,
     }
+    # An episode that ran out of turns is its own outcome, not a truncated one.
+    out = EpisodeSample(**{**vars(samples[2]), "turns": 3, "out_of_turns": True})
+    metrics = rollout_metrics([*samples[:2], out, samples[3]], 2.0, one_process_runtime())
+    assert metrics["rollout/max_turns_fraction"] == 0.25
+    assert metrics["rollout/max_turns_episodes"] == 1.0
+    assert metrics["rollout/truncated_fraction"] == 0.25
     # A NaN reward (its group skipped) stays out of reward/*, and is counted.
     samples[1] = sample(float("nan"), 8, False)
     metrics = rollout_metrics(samples, 2.0, one_process_runtime())

@@ -1,6 +1,7 @@
-"""Environments and episodes: tools and their failures, the feedback loop, the limits and the
-truncation policy, token-exact turns (also with Qwen3's template, which rewrites history), and
-the in-process engine running episodes in batched turns that train exactly what it sampled."""
+"""Environments and episodes: tools and their failures, the feedback loop, the limits (a length
+cut is truncation, running out of turns is not) and the truncation policy, token-exact turns
+(also with Qwen3's template, which rewrites history), and the in-process engine running episodes
+in batched turns that train exactly what it sampled."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from fnt.rollout import Completion, InProcessEngine, Prompt, render_prompt
+from fnt.rollout.base import episode_metrics, episode_sums
 from fnt.rollout.engines import in_process
 from fnt.rollout.environments import (
     FeedbackEnvironment,
@@ -19,7 +21,12 @@ from fnt.rollout.environments import (
     parse_tool_calls,
     tool_schema,
 )
-from fnt.rollout.environments.episodes import EpisodeRules, run_episodes, scored_samples
+from fnt.rollout.environments.episodes import (
+    EpisodeRules,
+    ran_out_of_turns,
+    run_episodes,
+    scored_samples,
+)
 from fnt.rollout.environments.render import reply_ids, template_text
 from fnt.rollout.pack import pack_rollouts
 from fnt.rollout.rewards import exact_match
@@ -178,7 +185,11 @@ def test_the_next_turn_is_the_sampled_ids_plus_the_rendering_of_the_new_messages
 
 
 @pytest.mark.parametrize("policy", ["score", "zero", "drop"])
-def test_an_episode_at_max_turns_follows_the_truncation_policy_and_is_counted(tokenizer, policy):
+def test_an_episode_out_of_turns_is_not_truncated_and_on_truncated_leaves_it_alone(
+    tokenizer, policy
+):
+    # Running out of turns is not a length cut: the last answer is complete (and wrong), so it
+    # is scored as it is under every rollout.on_truncated, and its group keeps its failure.
     environment = FeedbackEnvironment(lambda text, record: len(text) / 10, threshold=1.0)
     texts = [("abcde", "abcdefghij"), "abcdef", "abcdefg"]
     episodes, samples, dropped, _ = episodes_of(
@@ -189,16 +200,47 @@ def test_an_episode_at_max_turns_follows_the_truncation_policy_and_is_counted(to
         max_turns=2,
         on_truncated=policy,
     )
-    truncated, answered = episodes[0]
-    assert truncated.truncated and truncated.turns == 2 and not answered.truncated
+    out, answered = episodes[0]
+    assert out.out_of_turns and out.turns == 2 and not out.truncated
+    assert not answered.out_of_turns and not answered.truncated and answered.turns == 1
+    assert dropped == 0 and [s.truncated for s in samples] == [False, False]
+    assert [ran_out_of_turns(s) for s in samples] == [True, False]
+    assert [s.reward for s in samples] == [0.6, 1.0]
+    assert samples[0].advantage < 0 < samples[1].advantage
+    # A trajectory ends with its last sampled token: the unanswered reply is not in it.
+    assert samples[0].sampled[-1]
+    sums = episode_sums(samples)
+    assert (sums["truncated"], sums["out_of_turns"]) == (0.0, 1.0)
+    metrics = episode_metrics(sums)
+    assert metrics["rollout/max_turns_fraction"] == 0.5
+    assert metrics["rollout/truncated_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ["score", "zero", "drop"])
+def test_a_turn_cut_by_max_new_tokens_is_truncated_and_follows_on_truncated(tokenizer, policy):
+    environment = FeedbackEnvironment(lambda text, record: len(text) / 10, threshold=1.0)
+    # Episode 0's second turn is longer than max_new_tokens; episode 1 answers at once.
+    texts = [("abcde", "abcdefghij"), "abcdefghijklmnopqrstuvwxyz" * 4]
+    episodes, samples, dropped, _ = episodes_of(
+        environment,
+        tokenizer,
+        texts,
+        [{"prompt": "x"}],
+        max_new_tokens=16,
+        on_truncated=policy,
+    )
+    cut, answered = episodes[0]
+    assert cut.truncated and cut.turns == 2 and not cut.out_of_turns
+    assert not answered.truncated and not answered.out_of_turns
     if policy == "drop":
         assert dropped == 1 and len(samples) == 1 and samples[0].advantage == 0.0
         return
     assert dropped == 0 and [s.truncated for s in samples] == [True, False]
-    assert samples[0].reward == (0.6 if policy == "score" else 0.0)
-    assert samples[1].reward == 1.0
-    # A trajectory ends with its last sampled token: the unanswered reply is not in it.
-    assert samples[0].sampled[-1]
+    assert not any(ran_out_of_turns(s) for s in samples)
+    assert (samples[0].reward > 0) == (policy == "score")  # its cut turn, or 0
+    metrics = episode_metrics(episode_sums(samples))
+    assert metrics["rollout/truncated_fraction"] == 0.5
+    assert metrics["rollout/max_turns_fraction"] == 0.0
 
 
 def test_an_episode_that_runs_out_of_tokens_is_truncated(tokenizer):
