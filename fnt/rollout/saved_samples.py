@@ -1,5 +1,6 @@
-"""Saving a step's RL samples as text (fnt.store.samples' files), from every engine. Side
-effects: an all-gather of the records across ranks on a sample step, and rank 0's file.
+"""Saving a step's RL samples as text, with their tokens and the spans of them that were trained
+(fnt.store.samples' files), from every engine. Side effects: an all-gather of the records
+across ranks on a sample step, and rank 0's file.
 
 Each rank decodes its own samples; the records are gathered to every rank (a step's samples are
 few next to its tensors, and only sample steps pay) and rank 0 writes them in rank order, which
@@ -15,15 +16,29 @@ from fnt.config import RLConfig
 from fnt.dist.collectives import all_gather_objects
 from fnt.dist.runtime import Runtime
 from fnt.obs.metrics import finite_or_none
+from fnt.rollout.environments.episodes import ran_out_of_turns
 from fnt.rollout.pack import RolloutSample
 from fnt.store.samples import is_sample_step, write_step_samples_
+
+
+def trained_spans(sampled: Sequence[bool]) -> list[list[int]]:
+    """The [start, end) token offsets of each run of sampled tokens, in order: the spans the
+    policy sampled and the loss trains (fnt.rollout.pack). Pure."""
+    spans: list[list[int]] = []
+    for i, flag in enumerate(sampled):
+        if flag and (not i or not sampled[i - 1]):
+            spans.append([i, i + 1])
+        elif flag:
+            spans[-1][1] = i + 1
+    return spans
 
 
 def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
     """One sample as text: the prompt (the tokens before the first sampled one) and the
     completion (the rest: the sampled turns and, in an episode, the environment's replies in
-    between), decoded with their special tokens, with its reward (None when not finite) and facts.
-    Pure but for the tokenizer."""
+    between), decoded with their special tokens, with its reward (None when not finite) and facts,
+    then what was trained: `trained`, the [start, end) offsets of the sampled spans in
+    `token_ids`, the sample's whole token sequence. Pure but for the tokenizer."""
     first = sample.sampled.index(True)
     record = {
         "prompt": tokenizer.decode(list(sample.token_ids[:first])),
@@ -33,10 +48,13 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
         "completion_tokens": sample.sampled_count,
         "turns": sample.turns,
         "truncated": sample.truncated,
+        "out_of_turns": ran_out_of_turns(sample),
         "policy_step": sample.policy_step,
     }
     if sample.named_rewards:
         record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
+    record["trained"] = trained_spans(sample.sampled)
+    record["token_ids"] = list(sample.token_ids)
     return record
 
 

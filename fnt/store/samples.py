@@ -1,6 +1,7 @@
 """A run's saved RL samples: `{output_dir}/samples/step_N.jsonl`, every completion of step N
-with its prompt and reward, on the steps `rollout.log_samples_every` picks. Side effects: writes,
-reads and deletes those files; `is_sample_step` and `sample_steps_every` are pure.
+with its prompt, reward, token ids and the [start, end) offsets of the spans it trained
+(fnt.rollout.saved_samples), on the steps `rollout.log_samples_every` picks. Side effects:
+writes, reads and deletes those files; `is_sample_step` and `sample_steps_every` are pure.
 
 Rank 0 writes a step's file whole (all ranks' samples, gathered in rank order, so the file is in
 the step's prompt order), before the step's metrics row and so before its checkpoint: into a
@@ -8,7 +9,8 @@ temporary file, fsynced, then renamed into place. A crash leaves the whole file 
 run resumed from step M first deletes the files of steps after M (`drop_samples_after_`), which
 it redoes: a step's file is neither lost nor kept twice, and it belongs to the trajectory that
 metrics.jsonl and the checkpoints hold. The monitors read the files back (the console shows a
-few completions, W&B a table), so every consumer sees the same samples.
+few completions, W&B a table), and so does `fnt show-rollouts --run` (the trained spans marked),
+so every consumer sees the same samples.
 """
 
 from __future__ import annotations

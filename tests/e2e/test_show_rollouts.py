@@ -1,13 +1,19 @@
 """`fnt show-rollouts`: a step's trajectories as the in-process engine samples them, the sampled
-tokens told apart from the context (prompt, the environment's feedback, template text)."""
+tokens told apart from the context (prompt, the environment's feedback, template text), and a
+step a run saved (--run), which shows the same trajectories from the file."""
 
 from __future__ import annotations
 
+import json
 import re
 
-from fnt.apps.show_rollouts import trajectory_header
+import pytest
+
+from fnt.apps.show_rollouts import saved_header, saved_pieces, trajectory_header
+from fnt.errors import DataError
 from fnt.rollout.environments.feedback import DEFAULT_HINT
 from fnt.rollout.pack import RolloutSample
+from fnt.store.samples import read_step_samples, samples_path
 from tests.e2e.helpers import config_args, read_metrics, run_cli
 
 HEADER = re.compile(
@@ -53,6 +59,29 @@ def test_show_rollouts_prints_a_steps_episodes_with_sampled_tokens_marked(policy
     rewards = [float(h.group(2)) for h in headers]  # printed to 3 significant digits
     assert abs(sum(rewards) / len(rewards) - row["reward/mean"]) < 5e-3
 
+    # The run saved step 1 (its last): --run shows the same trajectories from the file, the
+    # trained spans marked exactly where sampling marked the sampled tokens.
+    saved = run_cli("show-rollouts", "--run", str(tmp_path / "run"), "--n", "8", "--color", "never")
+    lines = saved.stdout.splitlines()
+    assert lines[0].startswith("step 1: 8 trajectories saved in "), lines[0]
+    assert re.split(r"^== .*$\n", saved.stdout, flags=re.M)[1:] == texts
+    saved_headers = [line for line in lines if line.startswith("== ")]
+    for live, header in zip(headers, saved_headers):
+        facts = live.group(0).split(": ", 1)[1]  # the same reward, turns, limits and counts,
+        assert header.split(": ", 1)[1] == re.sub(r"\d+ tool calls \(\d+ failed\), ", "", facts)
+    records = read_step_samples(tmp_path / "run", 1)
+    assert (
+        sum(end - start for r in records for start, end in r["trained"])
+        == (row["rollout/sampled_tokens"])
+    )
+    assert sum(r["out_of_turns"] for r in records) == row["rollout/max_turns_episodes"]
+    # --run takes no config options, and names the steps it has when asked for another.
+    wrong = run_cli("show-rollouts", "--run", str(tmp_path / "run"), "--seed", "3", check=False)
+    assert wrong.returncode == 2 and "--seed 3 would not apply" in wrong.stderr, wrong.stderr
+    missing = run_cli("show-rollouts", "--run", str(tmp_path / "run"), "--step", "2", check=False)
+    assert missing.returncode == 2 and "the steps saved are: 1" in missing.stderr, missing.stderr
+    assert str(samples_path(tmp_path / "run", 2)) in missing.stderr
+
 
 def test_a_trajectory_header_names_its_episode_facts():
     sample = RolloutSample(
@@ -71,3 +100,51 @@ def test_a_trajectory_header_names_its_episode_facts():
         "== prompt line 4: reward 0.5, advantage -1.25, 2 turns, 3 tool calls (1 failed), "
         "truncated, rewards: final 0.5, first 0; 5 tokens (3 sampled, 2 context)"
     )
+
+
+class Letters:
+    """A tokenizer of one letter per id (a = 0)."""
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def saved_line(**changes):
+    record = {
+        "step": 3,
+        "index": 5,
+        "rank": 1,
+        "prompt": "ab",
+        "completion": "cde",
+        "reward": None,
+        "advantage": -0.5,
+        "completion_tokens": 2,
+        "turns": 2,
+        "truncated": False,
+        "out_of_turns": True,
+        "policy_step": 2,
+        "rewards": {"final": 0.25},
+        "trained": [[2, 3], [4, 5]],
+        "token_ids": [0, 1, 2, 3, 4],
+    }
+    return json.loads(json.dumps({**record, **changes}))
+
+
+def test_a_saved_line_shows_its_facts_and_its_trained_spans():
+    assert saved_header(saved_line()) == (
+        "== sample 5 (rank 1): reward nan, advantage -0.5, 2 turns, out of turns, "
+        "rewards: final 0.25; 5 tokens (2 sampled, 3 context)"
+    )
+    assert saved_pieces(saved_line(), Letters(), "f") == [
+        ("ab", False),
+        ("c", True),
+        ("d", False),
+        ("e", True),
+    ]
+    # A file saved before lines had token_ids: its text, unmarked.
+    old = saved_line(token_ids=None, trained=None)
+    assert saved_pieces(old, None, "f") == [("abcde", False)]
+    assert saved_header(old).endswith("; 2 sampled tokens")
+    for bad in ([[3, 2]], [[0, 6]], [[2, 4], [3, 5]], [], None, [[1.0, 2]]):
+        with pytest.raises(DataError, match="f, line 2: 'trained' must be"):
+            saved_pieces(saved_line(trained=bad), Letters(), "f, line 2")

@@ -5,13 +5,15 @@ tests/e2e/test_rl_samples.py)."""
 
 from __future__ import annotations
 
+import json
 import types
 
 from fnt.config import RLConfig
 from fnt.obs.console import console_line, rl_summary, sample_lines
 from fnt.obs.monitors.wandb import SAMPLE_COLUMNS, samples_table
+from fnt.rollout.environments.episodes import EpisodeSample
 from fnt.rollout.pack import RolloutSample
-from fnt.rollout.saved_samples import sample_record
+from fnt.rollout.saved_samples import sample_record, trained_spans
 from fnt.store.samples import (
     drop_samples_after_,
     is_sample_step,
@@ -104,6 +106,20 @@ def test_a_sample_record_splits_prompt_and_completion_at_the_first_sampled_token
     assert record["prompt"] == "ab" and record["completion"] == "cde"
     assert record["reward"] is None and record["rewards"] == {"format": 1.0}
     assert record["completion_tokens"] == 2 and record["turns"] == 2 and record["truncated"]
+    assert not record["out_of_turns"]
+    # What was trained: the sampled spans' [start, end) offsets in the whole token sequence.
+    assert record["token_ids"] == [0, 1, 2, 3, 4] and record["trained"] == [[2, 3], [4, 5]]
+    assert json.loads(json.dumps(record)) == record
+    out = EpisodeSample(**{**vars(sample), "truncated": False, "out_of_turns": True})
+    record = sample_record(out, Letters())
+    assert record["out_of_turns"] and not record["truncated"]
+
+
+def test_trained_spans_are_the_runs_of_sampled_tokens():
+    assert trained_spans([False, True, True, False, True]) == [[1, 3], [4, 5]]
+    assert trained_spans([False, False, True]) == [[2, 3]]
+    assert trained_spans([False, True, False, False, True, True]) == [[1, 2], [4, 6]]
+    assert trained_spans([False]) == []
 
 
 def records(rewards):
