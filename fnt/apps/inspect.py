@@ -1,6 +1,7 @@
 """Look at a run directory without W&B: `fnt inspect RUN [--json] [--diff OTHER_RUN]`.
-Side effects: `read_run` reads a run directory and `main` prints; `parse_metrics`, `summary`,
-`format_summary` and `config_diff` are pure. Nothing here imports torch, so `fnt inspect` (and
+Side effects: `read_run` reads a run directory (and /proc/locks, to learn whether a process holds
+its lock) and `main` prints; `parse_metrics`, `summary`, `run_state`, `format_summary` and
+`config_diff` are pure. Nothing here imports torch, so `fnt inspect` (and
 `fnt plot`, which reads runs through `read_run`) answers in a fraction of a second.
 
 A run directory (docs/design.md, "Run directory") has config.json or metrics.jsonl or both. It may
@@ -29,6 +30,12 @@ parses; until then it is left out, with a note. Any other line that is not a row
   unreadable (recorded in metrics_missing.json) and any other gap; `duplicated_steps`: the
   steps with more than one row (a resume keeps the last);
 - `wandb_run_id`: the contents of `wandb_run_id`;
+- `state`: `running` (a process holds run.lock), `finished` (the last row is step max_steps and,
+  with ckpt.save_final, its checkpoint is complete), `stopped` (not running, the last row's step
+  is the newest complete checkpoint and nothing is half-written: a preemption, or a kill between
+  steps), `crashed` (any other run not running: rows beyond the newest checkpoint, an unfinished
+  save or a torn last row), or `unknown` (run.lock names another machine, or no config.json);
+  `state_text`: the sentence `fnt inspect` prints, naming the step it crashed in (`run_state`);
 - `notes`: sentences about what was missing or left out;
 - `config_diff`, only with `--diff`: `{"other": PATH, "keys": {"dotted.key": [this, other]}}`
   for every config key whose values differ, `"<absent>"` on the side whose config lacks it.
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +58,7 @@ from fnt.store.best import Best, best_step
 from fnt.store.paths import require_dir
 from fnt.store.rundir import (
     CONFIG_FILE,
+    LOCK_FILE,
     METRICS_FILE,
     METRICS_MISSING_FILE,
     WANDB_ID_FILE,
@@ -80,6 +89,8 @@ KEY_METRICS = (
     "rollout/truncated_episodes",
 )
 ABSENT = "<absent>"
+# Where Linux lists the file locks held on this machine (`lock_state`).
+PROC_LOCKS = "/proc/locks"
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,8 @@ class RunView:
     wandb_run_id: Optional[str]
     recorded_missing: tuple[int, ...] = ()  # metrics_missing.json's steps
     missing_file_problem: Optional[str] = None  # what is wrong with an unreadable one
+    lock_holder: Optional[str] = None  # run.lock's text ("host H pid P"); None without the file
+    lock_held: Optional[bool] = False  # whether a process holds run.lock now; None: unknowable
 
 
 def read_run(path: Union[str, Path]) -> RunView:
@@ -123,7 +136,61 @@ def read_run(path: Union[str, Path]) -> RunView:
         wandb_run_id=wandb_file.read_text().strip() if wandb_file.is_file() else None,
         recorded_missing=tuple(recorded_missing),
         missing_file_problem=missing_file_problem,
+        **lock_state(path / LOCK_FILE),
     )
+
+
+def lock_state(path: Path) -> dict[str, Any]:
+    """`lock_holder` (the text of run.lock, None without it) and `lock_held`: whether a process
+    holds the run's lock now. Asked without taking the lock (a run starting at that moment must
+    not find it taken): the kernel lists the flock locks of this machine in /proc/locks by device
+    and inode. A lock another machine holds on a shared disk is not listed there: when run.lock
+    names another host, an unlisted lock is unknowable (None). Without /proc/locks (not Linux),
+    the holder's pid is looked up instead, on this host only."""
+    if not path.is_file():
+        return {"lock_holder": None, "lock_held": False}
+    try:
+        holder = path.read_text(encoding="utf-8", errors="replace").strip()
+        st = path.stat()
+    except OSError:
+        return {"lock_holder": None, "lock_held": None}
+    fields = holder.split()
+    host = fields[1] if len(fields) >= 4 and fields[0] == "host" and fields[2] == "pid" else None
+    here = host is None or host == socket.gethostname()
+    try:
+        with open(PROC_LOCKS, encoding="ascii", errors="replace") as fh:
+            listed = fh.read()
+    except OSError:
+        listed = None
+    if listed is not None:
+        held = flock_listed(listed, os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        return {"lock_holder": holder, "lock_held": True if held else (False if here else None)}
+    if host is None or not here or not fields[3].isdigit():
+        return {"lock_holder": holder, "lock_held": None}
+    return {"lock_holder": holder, "lock_held": _alive(int(fields[3]))}
+
+
+def flock_listed(proc_locks: str, major: int, minor: int, inode: int) -> bool:
+    """Whether the text of /proc/locks lists a flock lock held on the file (major:minor:inode,
+    the device numbers in hex); a waiter's line (`->`) does not count. Pure."""
+    wanted = f"{major:02x}:{minor:02x}:{inode}"
+    for line in proc_locks.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+            return True
+    return False
+
+
+def _alive(pid: int) -> Optional[bool]:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OSError, ValueError, OverflowError):
+        return None
+    return True
 
 
 def _read_config(path: Path) -> dict:
@@ -236,6 +303,61 @@ def notes(view: RunView) -> list[str]:
     return out
 
 
+def run_state(view: RunView, config: dict, kinds: dict[str, list]) -> dict[str, Any]:
+    """`{"state", "text"}`: whether the run is running, finished, crashed or stopped, from what
+    its directory holds (`config` flattened, `kinds` from classify_checkpoints). Pure.
+
+    A run holds run.lock while it runs (an OS lock, released however the process ends), so a
+    held lock is `running`. A run that is not running finished when its last row is step
+    max_steps and, with ckpt.save_final, step_{max_steps} is complete. One that did not
+    `stopped` when its last row's step is its newest complete checkpoint and nothing was left
+    half-written (a preemption leaves that, and so does a kill between steps); otherwise it
+    `crashed`: rows beyond the newest checkpoint, a `step_N.partial` or a torn last line.
+    `unknown`: the lock is held on another machine's view of the disk (run.lock names another
+    host), or there is no config.json to say how many steps were planned.
+    """
+    last = view.rows[-1]["step"] if view.rows else None
+    max_steps = config.get("max_steps")
+    holder = f" ({view.lock_holder})" if view.lock_holder else ""
+    if view.lock_held:
+        return {"state": "running", "text": f"running: a process holds {LOCK_FILE}{holder}"}
+    complete, partial = kinds["checkpoints"], kinds["partial"]
+    newest = max(complete, default=None)
+    final_missing = config.get("ckpt.save_final", True) is not False and max_steps not in complete
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool):
+        return {"state": "unknown", "text": f"unknown: no {CONFIG_FILE} says how many steps"}
+    if last is not None and last >= max_steps and not final_missing:
+        return {"state": "finished", "text": f"finished: all {max_steps} steps"}
+    if view.lock_held is None:
+        return {
+            "state": "unknown",
+            "text": f"not finished, and {LOCK_FILE} names another machine{holder}, which this "
+            "one cannot ask: the run is running there, or it stopped",
+        }
+    nobody = f"no process holds {LOCK_FILE}"
+    if last is None:
+        return {
+            "state": "crashed",
+            "text": f"crashed before its first step ended (no row; {nobody})",
+        }
+    if last >= max_steps:
+        where = f"while saving the final checkpoint step_{last}"
+    elif step_name(last) + ".partial" in partial:
+        where = f"while saving the checkpoint after step {last}"
+    elif newest == last and not partial and not view.partial_line:
+        return {
+            "state": "stopped",
+            "text": f"stopped after step {last} of {max_steps}, its checkpoint step_{last} "
+            f"complete (preempted, or killed between steps; {nobody})",
+        }
+    else:
+        where = f"in step {last + 1} of {max_steps}"
+    return {
+        "state": "crashed",
+        "text": f"crashed {where}: the last row is step {last}; {nobody}",
+    }
+
+
 def summary(view: RunView) -> dict[str, Any]:
     """The fields of `fnt inspect --json` (listed in the module docstring) for a run. Pure."""
     config = flatten(view.config) if view.config is not None else {}
@@ -243,6 +365,7 @@ def summary(view: RunView) -> dict[str, Any]:
     kinds = classify_checkpoints(view.checkpoint_entries)
     newest = max(kinds["checkpoints"], default=None)
     beyond = [row["step"] for row in view.rows if newest is None or row["step"] > newest]
+    state = run_state(view, config, kinds)
     return {
         "run": view.name,
         "path": str(view.path),
@@ -260,6 +383,8 @@ def summary(view: RunView) -> dict[str, Any]:
         ),
         **row_gaps(view),
         "wandb_run_id": view.wandb_run_id,
+        "state": state["state"],
+        "state_text": state["text"],
         "notes": notes(view),
     }
 
@@ -295,6 +420,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"run          {s['run']} ({s['path']})",
         f"model        {_text(s['model'])}",
         f"steps        {_text(s['step'])} / {_text(s['max_steps'])}",
+        f"state        {s['state_text']}",
         f"metrics      {metrics or '-'}",
         f"seen         {_text(s['num_tokens'])} tokens, {_text(s['num_samples'])} samples",
         f"wall time    {_duration(s['wall_time_s'])}",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +14,25 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fnt.__main__ import main
+from fnt.apps import inspect as inspect_app
 from fnt.apps.inspect import (
     ABSENT,
     config_diff,
+    flock_listed,
     format_summary,
     parse_metrics,
     read_run,
     summary,
 )
 from fnt.errors import DataError
-from fnt.store.rundir import CHECKPOINTS_DIR, CONFIG_FILE, METRICS_FILE, WANDB_ID_FILE
+from fnt.store.rundir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LOCK_FILE,
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    lock_output_dir_,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -263,3 +274,114 @@ def test_inspect_shows_a_multi_turn_runs_episodes_and_named_rewards(tmp_path, ca
     main(["inspect", str(run)])
     text = capsys.readouterr().out
     assert "rollout/tool_errors/mean" in text and "reward/final/mean" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Whether a run is running, finished, stopped or crashed, and where (issue 45, item 10)
+
+
+def laid_out(tmp_path: Path, last: int, complete=(), partial=(), **config_extra) -> Path:
+    """A run of 10 planned steps whose rows end at `last`, with these checkpoints."""
+    cfg = {**config("r", 1e-3), **config_extra}
+    run = write_run(tmp_path / "r", cfg, [row(step) for step in range(1, last + 1)])
+    for step in complete:
+        checkpoint(run, f"step_{step}", complete=True)
+    for step in partial:
+        checkpoint(run, f"step_{step}.partial", complete=False)
+    (run / LOCK_FILE).write_text(f"host {socket.gethostname()} pid 999999999\n")  # its holder died
+    return run
+
+
+@pytest.mark.parametrize(
+    ("last", "complete", "partial", "extra", "state", "text"),
+    [
+        (10, (5, 10), (), {}, "finished", "finished: all 10 steps"),
+        (10, (5,), (), {"ckpt": {"save_final": False}}, "finished", "finished: all 10 steps"),
+        (7, (5,), (), {}, "crashed", "crashed in step 8 of 10: the last row is step 7"),
+        (7, (), (), {}, "crashed", "crashed in step 8 of 10: the last row is step 7"),
+        (6, (4,), (6,), {}, "crashed", "crashed while saving the checkpoint after step 6"),
+        (10, (5,), (10,), {}, "crashed", "crashed while saving the final checkpoint step_10"),
+        (0, (), (), {}, "crashed", "crashed before its first step ended (no row"),
+        (
+            6,
+            (3, 6),
+            (),
+            {},
+            "stopped",
+            "stopped after step 6 of 10, its checkpoint step_6 complete",
+        ),
+    ],
+)
+def test_the_state_of_a_run_that_is_not_running(
+    tmp_path, last, complete, partial, extra, state, text
+):
+    s = summary(read_run(laid_out(tmp_path, last, complete, partial, **extra)))
+    assert s["state"] == state and s["state_text"].startswith(text), s["state_text"]
+    if state != "finished":
+        assert (
+            s["state_text"].endswith("no process holds run.lock") or "run.lock)" in s["state_text"]
+        )
+    assert f"state        {text}" in format_summary(s)
+
+
+def test_a_torn_last_row_is_a_crash_even_at_a_checkpoint(tmp_path):
+    run = laid_out(tmp_path, 6, complete=(6,))
+    with open(run / METRICS_FILE, "a") as fh:
+        fh.write('{"step": 7, "lo')
+    assert summary(read_run(run))["state_text"].startswith("crashed in step 7 of 10")
+
+
+def test_a_run_holding_its_lock_is_running_and_released_it_is_not(tmp_path):
+    run = laid_out(tmp_path, 3)
+    lock = lock_output_dir_(run)  # what a run takes first, and holds until its process ends
+    try:
+        s = summary(read_run(run))
+        assert s["state"] == "running"
+        assert (
+            s["state_text"]
+            == f"running: a process holds run.lock (host {socket.gethostname()} pid {os.getpid()})"
+        )
+    finally:
+        lock.close()
+    assert summary(read_run(run))["state_text"].startswith("crashed in step 4 of 10")
+
+
+def test_a_lock_named_by_another_machine_is_unknown_and_no_config_is_unknown(tmp_path):
+    run = laid_out(tmp_path, 3)
+    (run / LOCK_FILE).write_text("host some-other-node pid 12\n")
+    s = summary(read_run(run))
+    assert (
+        s["state"] == "unknown"
+        and "names another machine (host some-other-node pid 12)" in s["state_text"]
+    )
+    (run / CONFIG_FILE).unlink()
+    assert summary(read_run(run))["state_text"] == "unknown: no config.json says how many steps"
+
+
+def test_without_proc_locks_the_holders_pid_on_this_host_decides(tmp_path, monkeypatch):
+    monkeypatch.setattr(inspect_app, "PROC_LOCKS", str(tmp_path / "no_proc_locks"))
+    run = laid_out(tmp_path, 3)
+    assert summary(read_run(run))["state"] == "crashed"  # pid 999999999 does not exist
+    (run / LOCK_FILE).write_text(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    assert summary(read_run(run))["state"] == "running"
+    (run / LOCK_FILE).write_text("host some-other-node pid 12\n")
+    assert summary(read_run(run))["state"] == "unknown"
+
+
+def test_proc_locks_lines_are_matched_by_device_and_inode_and_waiters_do_not_count():
+    text = (
+        "1: FLOCK  ADVISORY  WRITE 27782 fe:00:2302177 0 EOF\n"
+        "2: POSIX  ADVISORY  WRITE 24210 fe:00:5 0 EOF\n"
+        "3: FLOCK  ADVISORY  WRITE 24210 08:01:7 0 EOF\n"
+        "3: -> FLOCK  ADVISORY  WRITE 24341 08:01:9 0 EOF\n"
+    )
+    assert flock_listed(text, 0xFE, 0, 2302177) and flock_listed(text, 8, 1, 7)
+    assert not flock_listed(text, 0xFE, 0, 5)  # a POSIX lock is not the run's flock
+    assert not flock_listed(text, 8, 1, 9)  # a process waiting for a lock does not hold it
+    assert not flock_listed(text, 0xFE, 1, 2302177)
+
+
+def test_inspect_json_has_the_state(crashed_run, capsys):
+    main(["inspect", str(crashed_run), "--json"])
+    s = json.loads(capsys.readouterr().out)
+    assert s["state"] == "crashed" and s["state_text"].startswith("crashed in step 8 of 10")
