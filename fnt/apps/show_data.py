@@ -4,9 +4,11 @@ the tokenizer, prints.
 
 Each sample is the text of its tokens, decoded run by run: context as it is, trained tokens
 between `[[` and `]]` (or in green on a terminal), after a header with its source location,
-its token counts (all, trained, context), its fate (kept, truncated, dropped) and the roles of
-the chat's messages. The samples go through the same code as training (fnt.data.load.fit_record:
-the template, the loss mask, cut trailing turns, seq_len and data.overlong).
+its token counts (all, trained, context), its fate (kept, truncated, dropped) and the form its
+record was read as (fnt.data.chat.RECORD_FORMS) with the roles of the chat's messages
+(`record_summary`: a ShareGPT speaker with the role it became, `1 gpt as assistant`). The
+samples go through the same code as training (fnt.data.load.fit_record: the template, the loss
+mask, cut trailing turns, seq_len and data.overlong).
 """
 
 from __future__ import annotations
@@ -37,22 +39,43 @@ def runs(ids: Sequence[int], targets: Sequence[bool]) -> Iterator[tuple[list[int
         yield run, bool(targets[len(ids) - 1])
 
 
+def record_summary(read, messages: Sequence) -> str:
+    """The form a record was read as and its messages' roles: `messages: 1 user, 1 assistant`,
+    `conversations (from/value): 1 human as user, 1 gpt as assistant`, `prompt/completion: ...`,
+    `text: every token trained`; `(content parts joined)` when a content was a list of text
+    parts. `read` is the fnt.data.chat.SftRecord (None for a record left out: its roles are
+    unknown) and `messages` the chat as trained, its untrained trailing turns cut. Pure."""
+    if read is not None and read.form == "text":
+        return "text: every token trained"
+    speakers = read.speakers if read is not None else ()
+    roles = Counter(
+        f"{speaker} as {message['role']}"
+        if speaker and speaker.lower() != message["role"]
+        else message["role"]
+        for message, speaker in zip(messages, speakers or [""] * len(messages))
+    )
+    form = read.form if read is not None else "messages"
+    how = " (from/value)" if speakers else ""
+    joined = " (content parts joined)" if read is not None and read.joined_parts else ""
+    return f"{form}{how}: {', '.join(f'{n} {role}' for role, n in roles.items())}{joined}"
+
+
 def sample_header(
     location: str,
     ids: Sequence[int],
     targets: Sequence[bool],
     fate,
-    roles,
+    summary: str,
     *,
     full_length: int,
     seq_len: int,
 ) -> str:
-    """`train.jsonl, line 1: 42 tokens (6 trained, 36 context), kept; messages: 1 user, ...`;
-    a sample fitting cut or dropped for its length says its length and the limit. Pure."""
+    """`train.jsonl, line 1: 42 tokens (6 trained, 36 context), kept; messages: 1 user, ...`
+    (`summary`, `record_summary`'s); a sample fitting cut or dropped for its length says its
+    length and the limit. Pure."""
     from fnt.data.corpus import SampleFate
 
     trained = sum(map(bool, targets))
-    counts = ", ".join(f"{n} {role}" for role, n in roles.items())
     tokens = f"{len(ids)} tokens ({trained} trained, {len(ids) - trained} context)"
     if fate == SampleFate.DROPPED_OVERLONG or fate == SampleFate.TRUNCATED:
         tokens = f"{full_length} tokens, over seq_len={seq_len}"
@@ -60,7 +83,7 @@ def sample_header(
             tokens += f", cut to {len(ids)} ({trained} trained, {len(ids) - trained} context)"
     elif fate.dropped:
         tokens = f"{full_length} tokens"
-    return f"== {location}: {tokens}, {fate.name.lower()}; messages: {counts}"
+    return f"== {location}: {tokens}, {fate.name.lower()}; {summary}"
 
 
 def main(argv: list[str]) -> None:
@@ -116,18 +139,21 @@ def show(config, n: int, color: bool) -> None:
                 )
             except ValueError as e:
                 raise DataError(f"{location}: {e}") from e
-            roles = Counter(message["role"] for message in fitted.messages)
+            summary = record_summary(fitted.read, fitted.messages)
             for (ids, targets, fate), full_length in zip(fitted.samples, fitted.full_lengths):
                 header = sample_header(
                     location,
                     ids,
                     targets,
                     fate,
-                    roles,
+                    summary,
                     full_length=full_length,
                     seq_len=config.seq_len,
                 )
                 cut = f" ({fitted.cut_turns} trailing turns left out)" if fitted.cut_turns else ""
+                empty = ", ".join(f"messages[{i}]" for i in fitted.empty_turns)
+                if empty:
+                    cut += f" (empty assistant turn: {empty})"
                 print(header + cut)
                 pieces = [(tokenizer.decode(run), trained) for run, trained in runs(ids, targets)]
                 why = f"left out: {fitted.skipped}" if fitted.skipped else "no tokens left"

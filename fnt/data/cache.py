@@ -52,8 +52,8 @@ from fnt.store.checksums import file_digest
 # so that an older fnt's pickled entry has the key of the entry that replaces it and is found.
 KEY_VERSION = 1
 # The format of an entry file, recorded in it: a reader refuses another (3: with the
-# located notes of skipped bad chats, data.on_bad_sample).
-CACHE_FORMAT = 3
+# located notes of skipped bad chats, data.on_bad_sample; 4: and of empty assistant turns).
+CACHE_FORMAT = 4
 ENTRY_SUFFIX = ".safetensors"
 LEGACY_SUFFIX = ".pt"  # the pickled entries of fnt before CACHE_FORMAT 2
 HASH = "xxh3_128"
@@ -83,6 +83,7 @@ class SourceSamples:
     records: list[int] = field(default_factory=list)  # the record index of each sample
     trailing: list[tuple[int, str]] = field(default_factory=list)  # (record, location) cut
     skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (record, location, why)
+    empty: list[tuple[int, str, str]] = field(default_factory=list)  # (record, location, turns)
     error: Optional[tuple[int, str]] = None  # (record, message) of the first bad record
 
     def add(self, record: int, ids, targets, fate: int) -> None:
@@ -94,7 +95,12 @@ class SourceSamples:
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The samples as the flat arrays of an entry (views of the token arrays, no copy)."""
-        plain = {"trailing": self.trailing, "skipped": self.skipped, "error": self.error}
+        plain = {
+            "trailing": self.trailing,
+            "skipped": self.skipped,
+            "empty": self.empty,
+            "error": self.error,
+        }
         return {
             "ids": np.frombuffer(self.ids, dtype=np.int64),
             "targets": np.frombuffer(self.targets, dtype=np.int8),
@@ -114,6 +120,7 @@ class SourceSamples:
             records=arrays["records"].tolist(),
             trailing=[(int(r), str(where)) for r, where in plain["trailing"]],
             skipped=[(int(r), str(where), str(why)) for r, where, why in plain["skipped"]],
+            empty=[(int(r), str(where), str(turns)) for r, where, turns in plain["empty"]],
             error=(int(plain["error"][0]), str(plain["error"][1])) if plain["error"] else None,
         )
         samples.ids.frombytes(memoryview(arrays["ids"]).cast("B"))
@@ -260,6 +267,7 @@ def merge_shares(shares: list[SourceSamples]) -> SourceSamples:
         merged.records.extend([record] * count)
     merged.trailing = sorted(t for share in shares for t in share.trailing)
     merged.skipped = sorted(t for share in shares for t in share.skipped)
+    merged.empty = sorted(t for share in shares for t in share.empty)
     return merged
 
 

@@ -2,14 +2,24 @@
 `chat_masking`, which reads the data.chat_template file (when it names one) and the model
 directory's generation_config.json (fnt.model.tokenizer.stop_token_ids).
 
-Record formats:
+Record forms (`read_record`; `RECORD_FORMS`):
 - `{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}`: a chat, rendered with the
   chat template (`tools`, optional, is passed to the template). Extra keys in a message (e.g.
   `name`, `tool_calls`, `reasoning_content`) are passed to the template unchanged.
+- `{"conversations": [{"from": ..., "value": ...}, ...]}`: a ShareGPT chat, read as messages with
+  `from` mapped to a role (`SHAREGPT_ROLES`: human and user to user; gpt, assistant and model to
+  assistant; system to system; tool, function and observation to tool; case ignored) and
+  `value` as the content. A chat under `messages` may use these keys too, and `conversations`
+  may hold role/content messages.
 - `{"prompt": ..., "completion": ...}`: rendered as the chat
   `[user: prompt, assistant: completion]`, so both formats go through the same template and look
   alike to the model.
-Other top-level keys (e.g. `id`) are ignored.
+- `{"text": ...}`, in a record with none of the keys above: plain text, no template, every token
+  trained (`tokenize_text`, as TRL's plain-text SFT: the tokenizer's eos appended, its bos
+  where it adds one).
+A message's content may also be a list of parts, OpenAI's form: its text parts
+(`{"type": "text", "text": ...}`) are joined with newlines, as vLLM's chat server joins them; a
+part of any other type is an error. Other top-level keys (e.g. `id`) are ignored.
 
 Which tokens are targets (`ChatMasking`): the messages of the trained roles (default: assistant
 only). An assistant turn is trained from its content through the first stop token after it
@@ -90,29 +100,181 @@ class ChatMasking:
             raise ValueError(f"turns must be 'all' or 'last', got {self.turns!r}")
 
 
-def conversation_from_record(record: object) -> list[Message]:
-    """The messages of one parsed JSONL record; ValueError says what is wrong with a bad record."""
+RECORD_FORMS = ("messages", "conversations", "prompt/completion", "text")
+"""The forms an SFT record is read as (`read_record`), by its keys."""
+
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+"""The role of each ShareGPT speaker (a message's `from`, lower-cased)."""
+
+
+@dataclass(frozen=True)
+class SftRecord:
+    """One SFT record as read (`read_record`): its form and what it holds."""
+
+    form: str
+    """One of RECORD_FORMS: the key the record was read by."""
+    messages: list[Message]
+    """The chat; empty for a text record."""
+    text: str = ""
+    """A text record's text."""
+    speakers: tuple[str, ...] = ()
+    """Per message, its ShareGPT `from` as written ("" for a message with a role)."""
+    joined_parts: bool = False
+    """Some message's content was a list of text parts, joined."""
+
+
+def read_record(record: object) -> SftRecord:
+    """One parsed record as an SFT record of one of RECORD_FORMS; ValueError says what is wrong
+    with a bad record. A record with two chat forms is an error; `text` is read only from a
+    record with no chat form (other keys are ignored, so a chat may carry a text column).
+    Pure."""
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    has_chat = "messages" in record
+    chats = [key for key in ("messages", "conversations") if key in record]
     has_completion = "prompt" in record or "completion" in record
-    if has_chat and has_completion:
-        raise ValueError("a record has either 'messages' or 'prompt'/'completion', not both")
-    if has_chat:
-        return _checked_messages(record["messages"])
+    if len(chats) > 1:
+        raise ValueError("a record has either 'messages' or 'conversations', not both")
+    if chats and has_completion:
+        raise ValueError(f"a record has either {chats[0]!r} or 'prompt'/'completion', not both")
+    if chats:
+        key = chats[0]
+        messages, speakers, joined = read_messages(record[key], key)
+        return SftRecord(key, _checked_messages(messages, key), "", speakers, joined)
     if has_completion:
         for key in ("prompt", "completion"):
             if key not in record:
                 raise ValueError(f"a prompt/completion record needs key {key!r}")
             if not isinstance(record[key], str):
                 raise ValueError(f"{key!r} must be a string, got {type(record[key]).__name__}")
-        return [
+        messages = [
             {"role": "user", "content": record["prompt"]},
             {"role": "assistant", "content": record["completion"]},
         ]
+        return SftRecord("prompt/completion", messages)
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise ValueError(f"'text' must be a string, got {type(record['text']).__name__}")
+        return SftRecord("text", [], record["text"])
     raise ValueError(
-        f"expected keys 'prompt' and 'completion', or 'messages'; got keys {sorted(record)}"
+        "expected keys 'prompt' and 'completion', or 'messages', or 'conversations', or 'text'; "
+        f"got keys {sorted(record)}"
     )
+
+
+def conversation_from_record(record: object) -> list[Message]:
+    """The messages of one parsed JSONL record (`read_record`; none for a text record);
+    ValueError says what is wrong with a bad record."""
+    return read_record(record).messages
+
+
+def read_messages(items: object, key: str) -> tuple[object, tuple[str, ...], bool]:
+    """A chat's items as role/content messages, the ShareGPT speaker of each ("" for an item
+    with a role) and whether a content was a list of text parts (joined); ValueError, naming
+    `key[i]`, for a ShareGPT item without a known `from` or a string `value`, and for a content
+    part that is not text. What is not a list, or an item that is not an object, is returned as
+    it is, for `check_message_list` to name. Pure."""
+    if not isinstance(items, list):
+        return items, (), False
+    messages, speakers, joined = [], [], False
+    for i, item in enumerate(items):
+        speaker = ""
+        if (
+            isinstance(item, Mapping)
+            and "role" not in item
+            and (key == "conversations" or "from" in item or "value" in item)
+        ):
+            speaker, item = _sharegpt_message(item, f"{key}[{i}]")
+        if isinstance(item, Mapping) and isinstance(item.get("content"), list):
+            where = f"{key}[{i}].{'value' if speaker else 'content'}"
+            item = {**item, "content": joined_text_parts(item["content"], where)}
+            joined = True
+        messages.append(item)
+        speakers.append(speaker)
+    return messages, tuple(speakers) if any(speakers) else (), joined
+
+
+def _sharegpt_message(item: Mapping[str, Any], where: str) -> tuple[str, dict[str, Any]]:
+    """(speaker, message) of a ShareGPT item: `from` as the role, `value` as the content."""
+    speaker = item.get("from")
+    if not isinstance(speaker, str):
+        raise ValueError(
+            f"{where} needs a string 'from' (ShareGPT's speaker: human, gpt, system...) or a 'role'"
+        )
+    role = SHAREGPT_ROLES.get(speaker.lower())
+    if role is None:
+        mapping = ", ".join(
+            f"{'/'.join(s for s, r in SHAREGPT_ROLES.items() if r == role)} -> {role}"
+            for role in dict.fromkeys(SHAREGPT_ROLES.values())
+        )
+        raise ValueError(
+            f"{where} has 'from' {speaker!r}, which is no role fnt reads ({mapping}); write "
+            "the message with a 'role' the chat template renders instead"
+        )
+    value = item.get("value")
+    if not isinstance(value, (str, list)):
+        raise ValueError(f"{where} needs a string 'value'")
+    rest = {k: v for k, v in item.items() if k not in ("from", "value")}
+    return speaker, {"role": role, "content": value, **rest}
+
+
+def joined_text_parts(parts: list, where: str) -> str:
+    """A content given as a list of parts (`[{"type": "text", "text": ...}, ...]`), its texts
+    joined with newlines as vLLM's chat server joins them; ValueError naming `where[j]` for a
+    part that is not text (an image, say: fnt trains text only). Pure."""
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, Mapping):
+            raise ValueError(f"{where}[{j}] must be an object, got {type(part).__name__}")
+        if not isinstance(part.get("type"), str):
+            raise ValueError(f"{where}[{j}] needs a string 'type' (\"text\" and a 'text')")
+        if part["type"] != "text":
+            raise ValueError(
+                f"{where}[{j}] is a part of type {part['type']!r}: fnt trains on text only "
+                '(parts {"type": "text", "text": ...})'
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}] needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def tokenize_text(text: str, tokenizer) -> Sample:
+    """A text record's tokens as TRL's plain-text SFT makes them: the tokenizer's eos appended
+    (unless the text ends with it), tokenized with the tokenizer's special tokens (a bos for a
+    tokenizer that adds one); every token a target (fit_to_length clears the first, which has
+    nothing to be predicted from)."""
+    eos = tokenizer.eos_token
+    if eos and not text.endswith(eos):
+        text += eos
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return ids, [True] * len(ids)
+
+
+def empty_turns(messages: Sequence[Message], masking: ChatMasking) -> list[int]:
+    """The trained assistant turns with nothing to train but their end token (and white
+    space): no answer, no tool call and no trained reasoning. Pure."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if "assistant" not in masking.roles:
+        return []
+    if masking.turns == "last":
+        turns = turns[-1:]
+    return [
+        i
+        for i in turns
+        if not _split_reasoning(messages[i])[1].strip()
+        and not _calls_tools(messages[i])
+        and not (masking.reasoning and _reasoning_of(messages[i]).strip())
+    ]
 
 
 BAD_SAMPLE_POLICIES = ("auto", "error", "skip")
@@ -168,19 +330,20 @@ def tools_from_record(record: Mapping[str, Any]) -> list | None:
     return tools or None
 
 
-def check_message_list(messages: object) -> None:
-    """ValueError unless `messages` is a non-empty list of {"role": str, "content": str}; as in
-    OpenAI's format, a message with `tool_calls` may have a null (or no) content."""
+def check_message_list(messages: object, key: str = "messages") -> None:
+    """ValueError unless `messages` (the record's `key`) is a non-empty list of {"role": str,
+    "content": str}; as in OpenAI's format, a message with `tool_calls` may have a null (or no)
+    content."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list")
+        raise ValueError(f"{key!r} must be a non-empty list")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
+            raise ValueError(f"{key}[{i}] must be an object, got {type(message).__name__}")
         if not isinstance(message.get("role"), str):
-            raise ValueError(f"messages[{i}] needs a string 'role'")
+            raise ValueError(f"{key}[{i}] needs a string 'role'")
         content = message.get("content")
         if not (isinstance(content, str) or (content is None and _calls_tools(message))):
-            raise ValueError(f"messages[{i}] needs a string 'content'")
+            raise ValueError(f"{key}[{i}] needs a string 'content'")
 
 
 def _calls_tools(message: Message) -> bool:
@@ -188,12 +351,12 @@ def _calls_tools(message: Message) -> bool:
     return isinstance(calls, list) and bool(calls)
 
 
-def _checked_messages(messages: object) -> list[Message]:
-    check_message_list(messages)
+def _checked_messages(messages: object, key: str = "messages") -> list[Message]:
+    check_message_list(messages, key)
     if messages[0]["role"] == "assistant":
         # The template cannot render an empty prompt, so the assistant header could not be told
         # apart from the answer and would be trained on.
-        raise ValueError("messages[0] must not be an assistant message")
+        raise ValueError(f"{key}[0] must not be an assistant message")
     # A tool call's null content is rendered as no text (templates and the masking want text).
     return [
         {**message, "content": ""} if message.get("content") is None else message

@@ -19,7 +19,9 @@ DataError naming its location, before training starts.
 Columnar records (parquet, Arrow, datasets) have a field for every column, and a struct inside a
 list (a message) has every field any of its siblings has; a missing value is null. Null values
 are therefore dropped from columnar records, so a message has only the keys it was written with.
-The source's column names then map a record to the keys fnt.data.chat reads (`chat_record`).
+The source's column names then map a record to the keys fnt.data.chat reads (`chat_record`),
+which reads it as one of its forms (fnt.data.chat.read_record: messages, conversations,
+prompt/completion, text).
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ from fnt.data.cache import DataCache, SourceSamples, cache_key
 from fnt.data.chat import (
     BAD_SAMPLE_POLICIES,
     ChatMasking,
+    SftRecord,
     bad_sample_action,
     chat_problem,
     check_tools_rendered,
-    conversation_from_record,
+    empty_turns,
+    read_record,
     template_roles,
     tokenize_conversation,
+    tokenize_text,
     tools_from_record,
     without_untrained_tail,
 )
@@ -105,11 +110,6 @@ def load_corpus(
         raise ValueError("data.sources is empty: give at least one source")
     if masking is None:
         masking = ChatMasking(stop_ids=stop_token_ids(tokenizer, tokenizer.name_or_path or None))
-    if not (masking.chat_template or tokenizer.chat_template):
-        raise ValueError(
-            "the tokenizer has no chat template, which SFT data rendering needs; set "
-            "data.chat_template"
-        )
     names = [source_name(source) for source in sources]
     repeated = repeated_source_names(sources)
     if repeated:
@@ -152,16 +152,24 @@ def load_corpus(
                 f"{f', {bad} bad chats left out' if bad else ''})"
             )
         first_id += size
-    notes = tuple(
-        f"{source_label(source)}: {len(samples.trailing)} chats end with turns that "
-        f"data.loss_mask does not train (the first at {samples.trailing[0][1]}); those turns "
-        "were left out"
-        for source, (_, (samples, _)) in zip(sources, parts)
-        if samples.trailing
-    ) + tuple(
-        skipped_note(source_label(source), samples.skipped, on_bad_sample)
-        for source, (_, (samples, _)) in zip(sources, parts)
-        if samples.skipped
+    notes = (
+        tuple(
+            f"{source_label(source)}: {len(samples.trailing)} chats end with turns that "
+            f"data.loss_mask does not train (the first at {samples.trailing[0][1]}); those turns "
+            "were left out"
+            for source, (_, (samples, _)) in zip(sources, parts)
+            if samples.trailing
+        )
+        + tuple(
+            skipped_note(source_label(source), samples.skipped, on_bad_sample)
+            for source, (_, (samples, _)) in zip(sources, parts)
+            if samples.skipped
+        )
+        + tuple(
+            empty_turns_note(source_label(source), samples.empty)
+            for source, (_, (samples, _)) in zip(sources, parts)
+            if samples.empty
+        )
     )
     return dataclasses.replace(corpus, notes=notes)
 
@@ -175,6 +183,17 @@ def skipped_note(label: str, skipped: Sequence[tuple[int, str, str]], policy: st
     shown = "; ".join(f"{location}: {reason}" for _, location, reason in skipped[:SHOWN_PROBLEMS])
     more = f"; and {len(skipped) - SHOWN_PROBLEMS} more" if len(skipped) > SHOWN_PROBLEMS else ""
     return f"{label}: {len(skipped)} chats left out (data.on_bad_sample={policy!r}): {shown}{more}"
+
+
+def empty_turns_note(label: str, empty: Sequence[tuple[int, str, str]]) -> str:
+    """One line on the chats with an empty trained assistant turn (it trains the end token, and
+    white space at most): the first few with their location and turns, then a count. Pure."""
+    shown = "; ".join(f"{location}: {turns}" for _, location, turns in empty[:SHOWN_PROBLEMS])
+    more = f"; and {len(empty) - SHOWN_PROBLEMS} more" if len(empty) > SHOWN_PROBLEMS else ""
+    return (
+        f"{label}: {len(empty)} chats have an empty assistant turn (no text but white space), "
+        f"which teaches the model to answer nothing: {shown}{more}"
+    )
 
 
 def bad_records_message(label: str, problems: Sequence[str], count: int, policy: str) -> str:
@@ -288,9 +307,10 @@ def check_records(
 ) -> None:
     """Read every record of a source and check it, without tokenizing: DataError with the
     location of the first few that on_bad_sample does not skip and their count, or for an empty
-    source. `check(record)` raises ValueError for a bad record (default: a chat or
-    prompt/completion record, through the source's columns, and with `masking` its roles and
-    trained turn, fnt.data.chat.chat_problem)."""
+    source, or for a chat when there is no chat template. `check(record)` raises ValueError for
+    a bad record (default: a record of one of fnt.data.chat's forms, through the source's
+    columns, and with `masking` a chat's roles and trained turn, fnt.data.chat.chat_problem, or
+    a text's emptiness)."""
 
     def problem_of(record: object) -> tuple[str, str] | None:
         if check is None:
@@ -301,17 +321,22 @@ def check_records(
             return "bad", str(e)
         return None
 
-    count = 0
-    problems: list[str] = []
-    roles = known_roles(masking, tokenizer) if masking is not None else None
     found = False
     count = 0
     problems: list[str] = []
     roles = known_roles(masking, tokenizer) if masking is not None else None
+    template = masking is None or bool(masking.chat_template or tokenizer.chat_template)
     records = with_progress(source_records(source), f"checking {source_label(source)}", progress)
     for location, record in records:
         found = True
         problem = problem_of(record)
+        if not template and problem is None:
+            form = read_record(chat_record(record, source)).form
+            if form != "text":
+                raise DataError(
+                    f"{location}: a {form} record is rendered with the chat template, and the "
+                    "tokenizer has none: set data.chat_template (a template file or its text)"
+                )
         if problem is not None and bad_sample_action(problem[0], on_bad_sample) == "error":
             count += 1
             if len(problems) < SHOWN_PROBLEMS:
@@ -380,6 +405,9 @@ def fitted_share(
             break
         if getattr(fitted, "skipped", ""):
             share.skipped.append((index, location, fitted.skipped))
+        if getattr(fitted, "empty_turns", ()):
+            turns = ", ".join(f"messages[{i}]" for i in fitted.empty_turns)
+            share.empty.append((index, location, turns))
         if fitted.cut_turns:
             share.trailing.append((index, location))
         for ids, targets, fate in fitted.samples:
@@ -403,11 +431,13 @@ def source_files(source: DataSource) -> list[Path]:
 class FittedRecord:
     """One record as the trainer sees it (`fit_record`)."""
 
-    messages: list  # the chat, its untrained trailing turns cut
+    messages: list  # the chat, its untrained trailing turns cut (none for a text record)
     samples: list[tuple[list[int], list[bool], SampleFate]]  # fit_to_length's, per sample
     cut_turns: int  # trailing turns no role of the loss mask trains, left out
     full_lengths: list[int]  # each sample's tokens before fitting to seq_len
     skipped: str = ""  # why data.on_bad_sample left the record out ("" when it was not)
+    read: SftRecord | None = None  # the record as read: its form (None when skipped)
+    empty_turns: tuple[int, ...] = ()  # trained assistant turns with nothing but the end token
 
 
 def known_roles(masking: ChatMasking, tokenizer) -> frozenset[str]:
@@ -419,14 +449,17 @@ def record_problem(
     record: object, source: DataSource, masking: ChatMasking | None, roles: frozenset[str] | None
 ) -> tuple[str, str] | None:
     """(kind, reason) for a record that is not a good chat (fnt.data.chat.chat_problem; a record
-    of the wrong shape is "bad"), or None; only its shape is checked without `masking`. Pure."""
+    of the wrong shape is "bad") or text (an empty one is "no_trained_turn"), or None; only its
+    shape is checked without `masking`. Pure."""
     try:
-        messages = conversation_from_record(chat_record(record, source))
+        read = read_record(chat_record(record, source))
     except ValueError as e:
         return "bad", str(e)
     if masking is None or roles is None:
         return None
-    return chat_problem(messages, known_roles=roles, trained_roles=masking.roles)
+    if read.form == "text":
+        return None if read.text.strip() else ("no_trained_turn", "'text' is empty")
+    return chat_problem(read.messages, known_roles=roles, trained_roles=masking.roles)
 
 
 def fit_record(
@@ -441,7 +474,9 @@ def fit_record(
 ) -> FittedRecord:
     """A record's chat, its samples (tokens, targets, fate) and what was cut; ValueError saying
     what is wrong with a bad record, unless on_bad_sample skips it: then one dropped sample, and
-    the reason in `skipped`."""
+    the reason in `skipped`. A text record is one sample of its tokens, every one trained
+    (fnt.data.chat.tokenize_text); over-long, it is truncated under data.overlong = "auto", as
+    a prompt/completion pair is."""
     problem = record_problem(record, source, masking, known_roles(masking, tokenizer))
     if problem is not None:
         kind, reason = problem
@@ -450,15 +485,23 @@ def fit_record(
         fate = SampleFate.DROPPED_NO_LOSS if kind == "no_trained_turn" else SampleFate.DROPPED_BAD
         return FittedRecord([], [([], [], fate)], 0, [0], skipped=reason)
     chat = chat_record(record, source)
-    messages, cut = without_untrained_tail(conversation_from_record(chat), masking.roles)
-    tools = tools_from_record(chat)
-    check_tools_rendered(messages, tokenizer, masking, tools)
-    samples = tokenize_conversation(messages, tokenizer, masking, tools=tools)
-    policy = overlong_policy(overlong, chat=isinstance(chat, dict) and "messages" in chat)
+    read = read_record(chat)
+    if read.form == "text":
+        messages, cut, empty = [], 0, []
+        samples = [tokenize_text(read.text, tokenizer)]
+    else:
+        messages, cut = without_untrained_tail(read.messages, masking.roles)
+        empty = empty_turns(messages, masking)
+        tools = tools_from_record(chat)
+        check_tools_rendered(messages, tokenizer, masking, tools)
+        samples = tokenize_conversation(messages, tokenizer, masking, tools=tools)
+    policy = overlong_policy(overlong, chat=read.form in ("messages", "conversations"))
     fitted = [
         fit_to_length(ids, targets, seq_len=seq_len, overlong=policy) for ids, targets in samples
     ]
-    return FittedRecord(messages, fitted, cut, [len(ids) for ids, _ in samples])
+    return FittedRecord(
+        messages, fitted, cut, [len(ids) for ids, _ in samples], "", read, tuple(empty)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,21 +509,28 @@ def fit_record(
 
 
 CHAT_KEYS = ("messages", "prompt", "completion")
+FIXED_KEYS = ("conversations", "text")
+"""Keys read under their own (TRL's) names, unless a column setting names them: a ShareGPT
+chat, and plain text, read only from a record without any chat column."""
 
 
 def chat_record(record: object, source: DataSource) -> object:
     """The record with the source's columns renamed to the keys fnt.data.chat reads: messages,
-    or prompt and completion. Keys with those names that are not the source's columns are left
-    out, so a record is read through its configured columns only; every other key passes
-    through, for the chat template. ValueError for a record without the columns; anything but a
-    mapping is returned as it is, for fnt.data.chat to reject."""
+    or prompt and completion; else `conversations`, else `text` (FIXED_KEYS). Keys with those
+    names that are not the one read are left out, so a record is read through its configured
+    columns only; every other key passes through, for the chat template. ValueError for a record
+    without any of them, or with two chats; anything but a mapping is returned as it is, for
+    fnt.data.chat to reject."""
     if not isinstance(record, Mapping):
         return record
     columns = dict(zip(CHAT_KEYS, _columns(source)))
+    used = {column for column in columns.values() if column}
+    fixed = [key for key in FIXED_KEYS if key not in used and key in record]
     present = {key for key, column in columns.items() if column and column in record}
-    if not present:
+    if not present and not fixed:
         wanted = [f"{columns['prompt']!r} and {columns['completion']!r}"] * bool(columns["prompt"])
         wanted += [repr(columns["messages"])] * bool(columns["messages"])
+        wanted += [repr(key) for key in FIXED_KEYS if key not in used]
         raise ValueError(f"expected keys {', or '.join(wanted)}; got keys {sorted(record)}")
     if "messages" in present and present != {"messages"}:
         raise ValueError(
@@ -489,14 +539,26 @@ def chat_record(record: object, source: DataSource) -> object:
             'columns this source does not use to "" (messages_column, or prompt_column and '
             "completion_column)"
         )
+    if present and "conversations" in fixed:
+        named = ", ".join(repr(columns[key]) for key in CHAT_KEYS if key in present)
+        raise ValueError(
+            f"the record has both 'conversations' (a ShareGPT chat) and the column {named}: "
+            'set the columns this source does not use to "" (messages_column, or prompt_column '
+            "and completion_column)"
+        )
     for key in ("prompt", "completion"):
-        if "messages" not in present and key not in present:
+        if present and "messages" not in present and key not in present:
             raise ValueError(f"a prompt/completion record needs key {columns[key]!r}")
-    used = {column for column in columns.values() if column}
-    out = {key: value for key, value in record.items() if key not in used and key not in CHAT_KEYS}
+    out = {
+        key: value
+        for key, value in record.items()
+        if key not in used and key not in CHAT_KEYS + FIXED_KEYS
+    }
     for key in CHAT_KEYS:
         if key in present:
             out[key] = record[columns[key]]
+    if not present:
+        out[fixed[0]] = record[fixed[0]]  # conversations before text
     return out
 
 

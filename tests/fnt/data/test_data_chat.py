@@ -93,7 +93,7 @@ def test_prompt_completion_is_a_user_assistant_chat_and_the_newline_after_eos_is
         ({"completion": "a"}, "needs key 'prompt'"),
         ({"prompt": 1, "completion": "b"}, "'prompt' must be a string"),
         ({"prompt": "a", "completion": None}, "'completion' must be a string"),
-        ({"text": "a"}, "expected keys 'prompt' and 'completion', or 'messages'"),
+        ({"txt": "a"}, "expected keys 'prompt' and 'completion', or 'messages', or"),
         ({"messages": [], "prompt": "a"}, "not both"),
         ({"messages": []}, "non-empty list"),
         ({"messages": "hi"}, "non-empty list"),

@@ -155,7 +155,11 @@ def test_chat_record_maps_columns_and_passes_other_keys_through():
     [
         ({"messages": [], "question": "q"}, "both the messages column 'messages'"),
         ({"question": "q"}, "needs key 'answer'"),
-        ({"text": "t"}, "expected keys 'question' and 'answer', or 'messages'; got keys ['text']"),
+        (
+            {"txt": "t"},
+            "expected keys 'question' and 'answer', or 'messages', or 'conversations', or "
+            "'text'; got keys ['txt']",
+        ),
     ],
 )
 def test_chat_record_names_the_columns_a_bad_record_lacks_or_mixes(record, reason):
