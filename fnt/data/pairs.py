@@ -23,8 +23,15 @@ forward computes both.
 A pair must fit one row: with more than seq_len tokens in all it follows data.overlong
 ("auto": a chat pair is dropped, a text pair truncated). Truncation keeps the shorter side
 whole when it fits in half a row, else cuts both to half a row; a pair left with a side without
-a loss token is dropped. Dropped pairs keep their ids (so the data order does not depend on
-seq_len) and are counted as data/dropped_overlong or data/dropped_no_loss when a step meets them.
+a loss token is dropped. A pair whose chosen and rejected sides are the same tokens (nothing
+to prefer: its loss is log 2 and its gradient 0) is dropped too, counted as data/dropped_bad
+and named in a start-up note (`PairCorpus.notes`, which `load_pair_data` prints); a source
+with nothing else is an error. Dropped pairs keep their ids
+(so the data order does not depend on seq_len) and are counted as data/dropped_overlong,
+data/dropped_no_loss or data/dropped_bad when a step meets them.
+
+Messages may be written as SFT's are (fnt.data.chat.read_messages): ShareGPT's from/value, and
+contents as lists of text parts.
 """
 
 from __future__ import annotations
@@ -40,7 +47,13 @@ from torch import Tensor
 from fnt.batch import BadToken, PackedRows, PairBatch, PairMicroBatch
 from fnt.config.schema import repeated_source_names, source_name
 from fnt.data.cache import DataCache, SourceSamples
-from fnt.data.chat import ChatMasking, chat_masking, conversation_from_record, tokenize_conversation
+from fnt.data.chat import (
+    ChatMasking,
+    chat_masking,
+    conversation_from_record,
+    read_messages,
+    tokenize_conversation,
+)
 from fnt.data.corpus import (
     OVERLONG_POLICIES,
     Corpus,
@@ -49,6 +62,7 @@ from fnt.data.corpus import (
     overlong_policy,
 )
 from fnt.data.load import (
+    SHOWN_PROBLEMS,
     DataSource,
     cached_samples,
     check_records,
@@ -66,6 +80,7 @@ from fnt.state import Progress
 
 Message = Mapping[str, Any]
 SIDES = ("chosen", "rejected")
+SAME_SIDES = "chosen equals rejected"  # why a pair of equal sides is left out
 PAIRS_FORMAT = "pairs-1"  # in the cache key: a pair source's entry is never read as SFT samples
 
 
@@ -89,10 +104,12 @@ def _response(value: object, key: str) -> Message:
     """A response column's value as one assistant message."""
     if isinstance(value, str):
         return {"role": "assistant", "content": value}
+    if isinstance(value, Mapping):
+        value = [value]
     if isinstance(value, list):
         if len(value) != 1:
             raise ValueError(f"{key!r} must hold one assistant message, got {len(value)} messages")
-        value = value[0]
+        value = read_messages(value, key)[0][0]
     if not isinstance(value, Mapping) or value.get("role") != "assistant":
         raise ValueError(f"{key!r} must be a string or an assistant message")
     return dict(value)
@@ -116,17 +133,23 @@ def pair_from_record(record: object, source: PairSource) -> Pair:
         if isinstance(prompt, str):
             messages, chat = [{"role": "user", "content": prompt}], False
         elif isinstance(prompt, list):
-            messages, chat = prompt, True
+            messages, chat = read_messages(prompt, prompt_key)[0], True
         else:
             raise ValueError(
                 f"{prompt_key!r} must be a string or a list of messages, got "
                 f"{type(prompt).__name__}"
             )
     elif messages_key and messages_key in record:
-        messages, chat = record[messages_key], True
+        messages, chat = read_messages(record[messages_key], messages_key)[0], True
     elif isinstance(chosen, list) and isinstance(rejected, list):
+        chosen, rejected = (
+            read_messages(chosen, chosen_key)[0],
+            read_messages(rejected, rejected_key)[0],
+        )
+        # The shared prompt never takes a side's last message: two equal chats are a pair of
+        # equal responses (dropped, counted), not a pair with no response.
         shared = 0
-        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
             shared += 1
         messages, chat = chosen[:shared], True
         chosen, rejected = chosen[shared:], rejected[shared:]
@@ -202,6 +225,7 @@ class FittedPair:
 
     samples: list[tuple[list[int], list[bool], SampleFate]]  # chosen, then rejected
     cut_turns: int = 0
+    skipped: str = ""  # why the pair was left out ("" when it was not)
 
 
 def fit_pair_record(
@@ -213,7 +237,9 @@ def fit_pair_record(
     overlong: str,
     masking: ChatMasking,
 ) -> FittedPair:
-    """A record's two sides, tokenized and fitted; ValueError for a bad record."""
+    """A record's two sides, tokenized and fitted; ValueError for a bad record. A pair whose
+    sides are the same tokens is left out (both sides dropped as bad, the reason in
+    `skipped`)."""
     pair = pair_from_record(record, source)
     sides = []
     for response in (pair.chosen, pair.rejected):
@@ -221,6 +247,8 @@ def fit_pair_record(
         if len(samples) != 1:  # one trained turn gives one sample (fnt.data.chat)
             raise ValueError(f"the template rendered the pair as {len(samples)} samples, not 1")
         sides.append(samples[0])
+    if sides[0] == sides[1]:
+        return FittedPair([([], [], SampleFate.DROPPED_BAD)] * 2, skipped=SAME_SIDES)
     policy = overlong_policy(overlong, chat=pair.chat)
     return FittedPair(fit_pair(*sides, seq_len=seq_len, overlong=policy))
 
@@ -233,6 +261,8 @@ class PairCorpus:
     the data order, packing plans and step metrics read either alike."""
 
     sides: Corpus
+    notes: tuple[str, ...] = ()
+    """What a reader of the data should know (one line each): the pairs left out."""
 
     @property
     def source_names(self) -> tuple[str, ...]:
@@ -249,10 +279,6 @@ class PairCorpus:
     @cached_property
     def fates(self) -> tuple[SampleFate, ...]:
         return self.sides.fates[::2]
-
-    @property
-    def notes(self) -> tuple[str, ...]:
-        return ()
 
     def length(self, pair: int) -> int:
         """Tokens of both sides; 0 for a dropped pair."""
@@ -298,7 +324,7 @@ def load_pair_corpus(
         raise ValueError(
             f"data source names must be unique (they key metrics); repeated: {repeated}"
         )
-    parts, entries = [], []
+    parts, entries, left_out = [], [], []
     for source in sources:
         settings = {
             "format": PAIRS_FORMAT,
@@ -330,18 +356,42 @@ def load_pair_corpus(
             )
         )
         entries.append(entry)
-    corpus = PairCorpus(Corpus.from_parts(parts, cache_entries=tuple(entries)))
+        left_out.append([(location, why) for _, location, why in samples.skipped])
+    notes = tuple(
+        same_sides_note(source_label(source), same)
+        for source, same in zip(sources, left_out)
+        if same
+    )
+    corpus = PairCorpus(Corpus.from_parts(parts, cache_entries=tuple(entries)), notes)
     first = 0
-    for source, size in zip(sources, corpus.source_sizes):
+    for source, size, same in zip(sources, corpus.source_sizes, left_out):
         fates = corpus.fates[first : first + size]
+        if same and len(same) == size:
+            raise DataError(
+                f"{source_label(source)}: no pair is usable: in every one of its {size} pairs "
+                f"the chosen response equals the rejected one (the first at {same[0][0]}), so "
+                "there is nothing to prefer"
+            )
         if all(fate.dropped for fate in fates):
             raise DataError(
                 f"{source_label(source)}: no pair is usable with seq_len={seq_len} and "
                 f"data.overlong={overlong!r} ({fates.count(SampleFate.DROPPED_OVERLONG)} "
-                f"over-long, {fates.count(SampleFate.DROPPED_NO_LOSS)} without response tokens)"
+                f"over-long, {fates.count(SampleFate.DROPPED_NO_LOSS)} without response tokens"
+                f"{f', {len(same)} with chosen equal to rejected' if same else ''})"
             )
         first += size
     return corpus
+
+
+def same_sides_note(label: str, same: Sequence[tuple[str, str]]) -> str:
+    """One line on the pairs a source left out because chosen equals rejected: the first few
+    locations, then a count. Pure."""
+    shown = "; ".join(location for location, _ in same[:SHOWN_PROBLEMS])
+    more = f"; and {len(same) - SHOWN_PROBLEMS} more" if len(same) > SHOWN_PROBLEMS else ""
+    return (
+        f"{label}: {len(same)} pairs left out, their chosen equal to their rejected "
+        f"(data/dropped_bad): {shown}{more}"
+    )
 
 
 def pack_pairs(
@@ -442,7 +492,8 @@ def load_pair_data(
 ) -> PairData:
     """Read and tokenize the pair sources of `data_cfg` (data.sources, data.overlong,
     data.shuffle, data.train_reasoning, data.chat_template); the batch layout is checked before
-    any file is read."""
+    any file is read. With `progress` (rank 0), the corpus's notes are printed, one line
+    each."""
     check_batch_layout(batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
     corpus = load_pair_corpus(
         data_cfg.sources,
@@ -453,6 +504,9 @@ def load_pair_data(
         progress=progress,
         cache=cache,
     )
+    if progress:
+        for note in corpus.notes:
+            print(note, flush=True)
     return PairData(
         corpus,
         source_order(corpus.source_sizes, data_cfg, seed),
