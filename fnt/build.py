@@ -4,8 +4,9 @@ loss needs one), creates the optimizer state, reads the data or prompts and the 
 `save_state_` writes a checkpoint and `restore_` loads one into the state's model, optimizer
 and source handles.
 
-This is where the sources' handles are chosen and built (`source_handles`), so it is the one
-core module that imports their implementations, each only when the config asks for it.
+This is where the sources' handles are chosen and built (`source_handles`, by the builder the
+config's mode names in fnt.config.modes.MODES), so it is the one core module that imports their
+implementations, each only when the config asks for it.
 
 None of these decides anything about resuming: `init_state` never looks at checkpoints, and
 `restore_` loads the one it is given. Which checkpoint (if any) a run continues from is the
@@ -20,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from fnt.checkpoint import load_checkpoint_, read_components, save_checkpoint_
-from fnt.config import Config, DPOConfig, LoraConfig, RLConfig, engine_of
+from fnt.config import Config, DPOConfig, LoraConfig, RLConfig, engine_of, mode_of
 from fnt.config.environments import has_prompts
+from fnt.config.modes import has_val_data, reference_dir
 from fnt.config.references import import_function
 from fnt.dist.runtime import Runtime
 from fnt.model.loading import load_model
@@ -32,40 +34,30 @@ from fnt.store.rundir import DATA_CACHE_DIR, ckpt_root
 
 
 def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
-    """What the configured batch source reads from, built once: the RL rollout engine
-    rollout.engine names (fnt.config.engines), the tokenized corpus of data.sources or the
-    synthetic rows; nothing for RL batches the caller makes itself (an engine that samples
+    """What the configured batch source reads from, built once by the config's mode
+    (fnt.config.modes: `handles`): the RL rollout engine rollout.engine names
+    (fnt.config.engines), the tokenized corpus of data.sources, its pairs, or the synthetic
+    rows; nothing for RL batches the caller makes itself (an engine that samples
     rollout.prompts, with none named). `announce` shows the tokenization's progress and the
     data's notes (the driver's rank 0; a research loop stays quiet)."""
-    if isinstance(config, RLConfig):
-        engine = engine_of(config.rollout)
-        if engine.samples_prompts and not has_prompts(config.rollout):
-            return {}  # a research loop that makes its RL batches itself
-        return {"rollouts": import_function(engine.build, 2)(config, runtime)}
-    layout = dict(
-        batch_size=config.batch_size,
-        micro_batch_size=config.micro_batch_size,
-        dp_rank=runtime.dp_rank,
-        dp_size=runtime.dims.dp,
-    )
+    return import_function(mode_of(config).handles, 3)(config, runtime, announce)
+
+
+def rollout_handles(config: RLConfig, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
+    """An RL run's source handle: `rollouts`, the engine rollout.engine names, built as
+    cls(config, runtime); nothing for an engine that samples rollout.prompts when none are
+    named (a research loop that makes its RL batches itself)."""
+    engine = engine_of(config.rollout)
+    if engine.samples_prompts and not has_prompts(config.rollout):
+        return {}
+    return {"rollouts": import_function(engine.build, 2)(config, runtime)}
+
+
+def sample_handles(config: Config, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
+    """An SFT run's source handle: `data`, the synthetic rows or the tokenized corpus of
+    data.sources (its notes printed when `announce`)."""
     if config.data.kind == "synthetic":
-        from fnt.data.synthetic import SyntheticData
-
-        return {"data": SyntheticData(seed=config.seed, seq_len=config.seq_len, **layout)}
-    if isinstance(config, DPOConfig):
-        from fnt.data.pairs import load_pair_data
-        from fnt.model.tokenizer import load_tokenizer
-
-        pairs = load_pair_data(
-            config.data,
-            load_tokenizer(config.model.name),
-            seed=config.seed,
-            seq_len=config.seq_len,
-            progress=announce,
-            cache=data_cache(config, runtime),
-            **layout,
-        )
-        return {"data": pairs}
+        return synthetic_handles(config, runtime)
     if config.data.kind == "sources":
         from fnt.data.sft import load_source_data
         from fnt.model.tokenizer import load_tokenizer
@@ -78,7 +70,7 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
             seq_len=config.seq_len,
             progress=announce,
             cache=data_cache(config, runtime),
-            **layout,
+            **batch_layout(config, runtime),
         )
         if announce:
             for note in data.corpus.notes:
@@ -87,10 +79,56 @@ def source_handles(config: Config, runtime: Runtime, announce: bool = False) -> 
     raise ValueError(f"unknown data.kind {config.data.kind!r}")
 
 
+def pair_handles(config: DPOConfig, runtime: Runtime, announce: bool = False) -> dict[str, Any]:
+    """A DPO run's source handle: `data`, the tokenized pairs of data.sources (or the
+    synthetic rows)."""
+    if config.data.kind == "synthetic":
+        return synthetic_handles(config, runtime)
+    from fnt.data.pairs import load_pair_data
+    from fnt.model.tokenizer import load_tokenizer
+
+    pairs = load_pair_data(
+        config.data,
+        load_tokenizer(config.model.name),
+        seed=config.seed,
+        seq_len=config.seq_len,
+        progress=announce,
+        cache=data_cache(config, runtime),
+        **batch_layout(config, runtime),
+    )
+    return {"data": pairs}
+
+
+def synthetic_handles(config: Config, runtime: Runtime) -> dict[str, Any]:
+    """`data`: the synthetic counting rows of data.kind = "synthetic"."""
+    from fnt.data.synthetic import SyntheticData
+
+    layout = batch_layout(config, runtime)
+    return {"data": SyntheticData(seed=config.seed, seq_len=config.seq_len, **layout)}
+
+
+def batch_layout(config: Config, runtime: Runtime) -> dict[str, int]:
+    """The batch's split over this rank, as the data handles take it. Pure."""
+    return dict(
+        batch_size=config.batch_size,
+        micro_batch_size=config.micro_batch_size,
+        dp_rank=runtime.dp_rank,
+        dp_size=runtime.dims.dp,
+    )
+
+
+def eval_data(config: Config) -> Optional[Any]:
+    """The state's `val` handle: the held-out data its mode loads (fnt.config.modes:
+    `eval_data`), or None when the config has none. DataError for a bad file or line."""
+    if not has_val_data(config):
+        return None
+    return import_function(mode_of(config).eval_data, 1)(config)
+
+
 def policy_publisher(config: Config) -> Optional[Callable[[TrainState], Any]]:
     """What the driver calls with every state it reaches so that the rollout engine's samplers
     get the policy (fnt.config.engines: `publish`), or None."""
-    if not isinstance(config, RLConfig) or not engine_of(config.rollout).publish:
+    if not mode_of(config).rollouts or not engine_of(config.rollout).publish:
         return None
     return import_function(engine_of(config.rollout).publish, 1)
 
@@ -124,18 +162,9 @@ def reference_model(config: Config, runtime: Runtime, policy: Any) -> Any:
     gradient, it is in no optimizer, and checkpoints do not hold it, so a resumed run rebuilds
     it from its directory, as an uninterrupted one has it.
     """
-    if isinstance(config, DPOConfig):
-        from fnt.preference import needs_reference
-
-        if not needs_reference(config.dpo) or config.dpo.precompute_reference:
-            return None
-        return frozen_reference(config, runtime, policy, config.dpo.ref_model)
-    if not isinstance(config, RLConfig):
+    if mode_of(config).reference(config) != "model":
         return None
-    loss = config.loss
-    if not loss.ref_kl_tau or loss.ref_source != "model":
-        return None
-    return frozen_reference(config, runtime, policy, loss.ref_model)
+    return frozen_reference(config, runtime, policy, reference_dir(config))
 
 
 def frozen_reference(config: Config, runtime: Runtime, policy: Any, ref_model: str) -> Any:
@@ -162,14 +191,11 @@ def precomputed_references(
     second model is loaded unless dpo.ref_model names another directory (loaded, used and
     dropped). The tables come from the data cache when it holds them
     (fnt.evaluation.reference_table)."""
-    if not isinstance(config, DPOConfig) or not config.dpo.precompute_reference:
+    if mode_of(config).reference(config) != "precomputed":
         return handles
     from fnt.evaluation import reference_table
-    from fnt.preference import needs_reference
 
-    if not needs_reference(config.dpo):
-        return handles
-    ref_dir = config.dpo.ref_model
+    ref_dir = reference_dir(config)
     ref = policy
     if ref_dir and ref_dir != config.model.name:
         ref = frozen_reference(config, runtime, policy, ref_dir)
@@ -189,12 +215,10 @@ def init_state(config: Config, runtime: Runtime, announce: bool = False) -> Trai
     source's handles (and the RL reference model, `reference_model`) and `Progress()`. Reads no
     checkpoint and refuses nothing. `announce` prints each phase as it starts (fnt.obs.console;
     the driver passes it on rank 0)."""
-    from fnt.evaluation import load_eval_data
-
     # The data first: a bad file or prompt should fail before the model is loaded.
     say(announce, "reading the data")
     sources = source_handles(config, runtime, announce)
-    val = load_eval_data(config)
+    val = eval_data(config)
     say(announce, f"loading the model {config.model.name}")
     model = load_model(config.model, runtime, runtime.offload, seed=config.seed)
     say(announce, f"building the optimizer ({config.optim.name})")

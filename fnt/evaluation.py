@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from fnt.batch import to_device
-from fnt.config import Config, ConfigError, DPOConfig, RLConfig
-from fnt.config.environments import environment_val_size
+from fnt.config import Config, ConfigError, RLConfig, mode_of
+from fnt.config.modes import has_val_data, held_out_prompts
 from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
@@ -103,13 +103,14 @@ class EvalData(Stateless):
 
 
 def load_eval_data(config: Config) -> Optional[Any]:
-    """The val data of `config` (None when it has none); DataError for a bad file or line."""
+    """The val data of an SFT or RL config (fnt.config.modes: `eval_data`): the held-out
+    samples of val.sources and, in a mode whose batches are rollouts, the prompts of
+    val.prompts or the environment's held-out prompts; None when it has none. DataError for a
+    bad file or line."""
     val = config.val
-    held_out = isinstance(config, RLConfig) and environment_val_size(config.rollout) > 0
-    if not (val.sources or val.prompts or held_out):
+    held_out = held_out_prompts(config) > 0
+    if not has_val_data(config):
         return None
-    if isinstance(config, DPOConfig):
-        return load_pair_eval_data(config)
     tokenizer = load_tokenizer(config.model.name)
     corpus = None
     if val.sources:
@@ -123,7 +124,7 @@ def load_eval_data(config: Config) -> Optional[Any]:
     prompts: tuple[Prompt, ...] = ()
     reward_fn = None
     if val.prompts:
-        if not isinstance(config, RLConfig):
+        if not mode_of(config).rollouts:
             raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
         prompts = load_prompts(val.prompts, tokenizer)
         reward_fn = reward_function(config.rollout.reward)

@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 from fnt.build import init_state, restore_
 from fnt.checkpoint import checkpoint_problems, read_meta, read_saved_config
-from fnt.config import Config, ConfigError, to_plain
+from fnt.config import Config, ConfigError, mode_of, to_plain
 from fnt.dist.runtime import Runtime
 from fnt.errors import CheckpointError
 from fnt.model.attention import KERNELS, kernel_problem, resolve_kernel
@@ -162,8 +162,8 @@ def start_summary_of(state: TrainState) -> list[str]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     model = config.model
     kernels = kernels_text(model.attn_implementation, model.compile, model.loss_kernel)
-    rollout = getattr(config, "rollout", None)
-    if rollout is not None:
+    if mode_of(config).rollouts:
+        rollout = config.rollout
         prompts = getattr(state.handles.rollouts, "prompts", None)
         return [
             ranks,

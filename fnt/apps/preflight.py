@@ -12,8 +12,9 @@ The rules of paths every command shares are fnt.store.paths' (a file or director
 exist, a checkpoint, a writable place, an output directory or file a command may write); those
 of "module:function" references fnt.config.references.require_function (rollout.reward:
 fnt.rollout.rewards.require_reward). The commands' own checks here combine them:
-`check_inputs` (sft, rl), `check_model_and_data` (show-data), `check_export`, `check_generate`.
-A new command adds its function here from the same rules.
+`check_inputs` (sft, rl, dpo: the data and prompts through the function the config's mode
+names, fnt.config.modes: `preflight`), `check_model_and_data` (show-data), `check_export`,
+`check_generate`. A new command adds its function here from the same rules.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from fnt.config import Config, DPOConfig, RLConfig, RolloutConfig, engine_of
+from fnt.config import Config, DataSourceConfig, RLConfig, RolloutConfig, engine_of, mode_of
 from fnt.config.environments import environment_kind, require_installed, supplies_prompts
-from fnt.config.references import ENVIRONMENT_SHAPE, require_function
+from fnt.config.modes import reference_dir
+from fnt.config.references import ENVIRONMENT_SHAPE, import_function, require_function
 from fnt.config.schema import source_kind
 from fnt.errors import CheckpointError, ConfigError, DataError, named
 from fnt.resume import resolve_resume_step
@@ -64,24 +66,17 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     for key, reference in reference_models(config):
         require_model_dir(reference, key=key)
     check_data(config)
-    is_rl = isinstance(config, RLConfig)
-    if is_rl and engine_of(config.rollout).samples_prompts:  # it runs the episodes itself
-        require_episodes(config.rollout)
-        check_first_prompt(config.rollout)
     # Raises ResumeError (a ConfigError) for `--resume N` without a complete step_N.
     resolve_resume_step(config.resume, ckpt_root(config.output_dir))
     require_lora_targets(config)
 
 
 def reference_models(config: Config) -> list[tuple[str, str]]:
-    """(key, directory) of each reference policy the config names (RL's loss.ref_model, DPO's
-    dpo.ref_model); empty ones mean model.name, which is checked already. Pure."""
-    named_refs = []
-    if isinstance(config, RLConfig):
-        named_refs.append(("loss.ref_model", config.loss.ref_model))
-    if isinstance(config, DPOConfig):
-        named_refs.append(("dpo.ref_model", config.dpo.ref_model))
-    return [(key, path) for key, path in named_refs if path]
+    """(key, directory) of each reference policy the config names (its mode's reference_key:
+    RL's loss.ref_model, DPO's dpo.ref_model); empty ones mean model.name, which is checked
+    already. Pure."""
+    key, path = mode_of(config).reference_key, reference_dir(config)
+    return [(key, path)] if path else []
 
 
 def check_model_and_data(config: Config, model_name_source: str) -> None:
@@ -111,19 +106,73 @@ def check_first_prompt(rollout: RolloutConfig) -> None:
 def require_model(config: Config, model_name_source: str) -> None:
     """The model directory, and its tokenizer where one is needed."""
     require_model_dir(config.model.name, model_name_source)
-    is_rl = isinstance(config, RLConfig)
-    if is_rl or config.data.kind == "sources":
-        require_tokenizer_files(config.model.name, "RL" if is_rl else 'data.kind = "sources"')
+    rollouts = mode_of(config).rollouts  # prompts are rendered with the tokenizer
+    if rollouts or config.data.kind == "sources":
+        require_tokenizer_files(config.model.name, "RL" if rollouts else 'data.kind = "sources"')
 
 
 def check_data(config: Config) -> None:
-    """The first record of each JSONL data source (data.sources, unless RL, and val.sources)
-    and the existence of the other local sources."""
-    is_rl = isinstance(config, RLConfig)
-    # Each file is read before the module with its record rules is imported (that costs torch).
-    sources = [(f"val.sources[{i}]", s) for i, s in enumerate(config.val.sources)]
-    if not is_rl and config.data.kind == "sources":
-        sources = [(f"data.sources[{i}]", s) for i, s in enumerate(config.data.sources)] + sources
+    """What the config's mode reads of its data and prompts (fnt.config.modes: `preflight`,
+    one of the three below): the first record of each JSONL data source and the existence of
+    the other local sources."""
+    import_function(mode_of(config).preflight, 1)(config)
+
+
+def check_sample_data(config: Config) -> None:
+    """SFT's preflight: the first record of each JSONL source of data.sources and val.sources
+    is a chat sample."""
+    check_first_records(config, training_sources(config) + val_sources(config), chat_sample)
+
+
+def check_rollout_data(config: RLConfig) -> None:
+    """RL's preflight: the first record of each JSONL source of val.sources is a chat sample;
+    an engine that runs the episodes itself has what runs them (`require_episodes`) and the
+    first record of rollout.prompts."""
+    check_first_records(config, val_sources(config), chat_sample)
+    if engine_of(config.rollout).samples_prompts:
+        require_episodes(config.rollout)
+        check_first_prompt(config.rollout)
+
+
+def check_pair_data(config: Config) -> None:
+    """DPO's preflight: the first record of each JSONL source of data.sources and val.sources
+    is a preference pair."""
+    check_first_records(config, training_sources(config) + val_sources(config), pair_sample)
+
+
+def training_sources(config: Config) -> list[tuple[str, DataSourceConfig]]:
+    """(key, source) of each source of data.sources, when data.kind = "sources". Pure."""
+    if config.data.kind != "sources":
+        return []
+    return [(f"data.sources[{i}]", s) for i, s in enumerate(config.data.sources)]
+
+
+def val_sources(config: Config) -> list[tuple[str, DataSourceConfig]]:
+    """(key, source) of each source of val.sources. Pure."""
+    return [(f"val.sources[{i}]", s) for i, s in enumerate(config.val.sources)]
+
+
+def chat_sample(record: object, source: DataSourceConfig) -> object:
+    """The conversation of an SFT record; ValueError with the reason when it is not one."""
+    from fnt.data.chat import conversation_from_record
+    from fnt.data.load import chat_record
+
+    return conversation_from_record(chat_record(record, source))
+
+
+def pair_sample(record: object, source: DataSourceConfig) -> object:
+    """The pair of a DPO record; ValueError with the reason when it is not one."""
+    from fnt.data.pairs import pair_from_record
+
+    return pair_from_record(record, source)
+
+
+def check_first_records(
+    config: Config, sources: list[tuple[str, DataSourceConfig]], parse: Callable
+) -> None:
+    """The first record of each JSONL source of `sources` (key, source) parses with
+    `parse(record, source)`, and the other local sources exist. Every file is read before
+    `parse` imports the module with its record rules (that costs torch)."""
     kinds = [source_kind(source) for _, source in sources]
     firsts = [
         (first_record(source.path, f"{key}.path"), source)
@@ -133,17 +182,8 @@ def check_data(config: Config) -> None:
     for (key, source), kind in zip(sources, kinds):
         if kind in ("parquet", "arrow", "directory"):
             require_path(source.path, f"{key}.path")
-    if firsts and isinstance(config, DPOConfig):
-        from fnt.data.pairs import pair_from_record
-
-        for first, source in firsts:
-            check_record(first, lambda r, s=source: pair_from_record(r, s))
-    elif firsts:
-        from fnt.data.chat import conversation_from_record
-        from fnt.data.load import chat_record
-
-        for first, source in firsts:
-            check_record(first, lambda r, s=source: conversation_from_record(chat_record(r, s)))
+    for first, source in firsts:
+        check_record(first, lambda r, s=source: parse(r, s))
 
 
 def require_episodes(rollout: RolloutConfig) -> None:
@@ -154,8 +194,6 @@ def require_episodes(rollout: RolloutConfig) -> None:
     kind = environment_kind(rollout.environment)
     if kind.build:  # a built-in integration: its extra installed, its settings accepted
         require_installed(kind, rollout.environment)
-        from fnt.config.references import import_function
-
         import_function(kind.build, 1)(rollout)
     elif rollout.environment:
         require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)

@@ -13,6 +13,7 @@ so the scripts reject a bad command line within about a second.
 
 from fnt.config.engines import ENGINES, Engine, engine_of
 from fnt.config.loading import CliArgs, from_json, load_config, split_cli
+from fnt.config.modes import MODES, Mode, mode_of, validate_rollout
 from fnt.config.schema import (
     CkptConfig,
     Config,
@@ -43,7 +44,7 @@ from fnt.config.schema import (
     to_plain,
     type_name,
 )
-from fnt.config.validation import validate, validate_rollout
+from fnt.config.validation import validate
 from fnt.errors import ConfigError
 
 __all__ = [
@@ -57,6 +58,8 @@ __all__ = [
     "ENGINES",
     "Engine",
     "LoraConfig",
+    "MODES",
+    "Mode",
     "VLLMConfig",
     "ModelConfig",
     "OptimConfig",
@@ -78,6 +81,7 @@ __all__ = [
     "help_text",
     "load_config",
     "markdown_keys",
+    "mode_of",
     "source_name",
     "split_cli",
     "to_json",

@@ -15,21 +15,15 @@ import math
 from typing import Any
 
 from fnt.config.engines import ENGINES, engine_of
-from fnt.config.environments import (
-    ENVIRONMENTS,
-    environment_kind,
-    environment_val_size,
-    has_prompts,
-)
+from fnt.config.environments import environment_kind, has_prompts
+from fnt.config.modes import has_val_data, held_out_prompts, mode_of
+from fnt.config.modes import validate_rollout as validate_rollout  # its old home: still importable
 from fnt.config.parallel import batch_layout_problem, plan_parallel_dims
 from fnt.config.references import require_function
 from fnt.config.schema import (
     CHAT_ROLES,
     Config,
     DataSourceConfig,
-    DPOConfig,
-    RLConfig,
-    RolloutConfig,
     keep_best_rule,
     repeated_source_names,
     source_name,
@@ -118,23 +112,9 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     dp = plan_parallel_dims(config.parallel, world_size, ep=1).dp
     layout = batch_layout_problem(config.batch_size, config.micro_batch_size, dp)
     require(layout is None, "batch_size", str(layout))
-    if isinstance(config, RLConfig):
-        require(config.rollout.timeout_s > 0, "rollout.timeout_s", "must be > 0")
-        require(config.rollout.keep_weights >= 1, "rollout.keep_weights", "must be at least 1")
-        validate_loss(config)
-        require(
-            config.rollout.publish != "adapter" or config.model.lora.rank > 0,
-            "rollout.publish",
-            'publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use "auto"',
-        )
-        require(config.rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
-        engine = engine_of(config.rollout)
-        if engine.samples_prompts:
-            validate_rollout(config.rollout, dp_size=dp)
-        if engine.check is not None:
-            engine.check(config.rollout)
-    if isinstance(config, DPOConfig):
-        validate_preference(config)
+    check = mode_of(config).check
+    if check is not None:
+        check(config, dp)
 
 
 def validate_epochs(config: Config) -> None:
@@ -145,11 +125,9 @@ def validate_epochs(config: Config) -> None:
         return
     if not (math.isfinite(epochs) and epochs > 0):
         raise ConfigError(f"'max_epochs' = {epochs!r}: must be a finite number > 0 (0: off)")
-    if isinstance(config, RLConfig):
-        raise ConfigError(
-            f"'max_epochs' = {epochs!r}: an RL run draws prompts endlessly and counts steps: "
-            "use max_steps"
-        )
+    refused = mode_of(config).epochs_refused
+    if refused:
+        raise ConfigError(f"'max_epochs' = {epochs!r}: {refused}: use max_steps")
     if config.data.kind != "sources":
         raise ConfigError(
             f"'max_epochs' = {epochs!r}: data.kind = {config.data.kind!r} is endless; epochs "
@@ -216,99 +194,6 @@ def validate_lora(config: Config) -> None:
     )
 
 
-def validate_loss(config: RLConfig) -> None:
-    """ConfigError unless the loss settings can run; resolves loss.custom (imports its module)."""
-    loss = config.loss
-
-    def require(ok: bool, key: str, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"'loss.{key}' = {getattr(loss, key)!r}: {message}")
-
-    for key in (
-        "dppo_mask_low",
-        "dppo_mask_high",
-        "ipo_threshold",
-        "eps_low",
-        "eps_high",
-        "gspo_eps_low",
-        "gspo_eps_high",
-        "kl_tau",
-        "ref_kl_tau",
-    ):
-        value = getattr(loss, key)
-        require(math.isfinite(value) and value >= 0, key, "must be a finite number >= 0")
-    if loss.kind == "custom":
-        require(bool(loss.custom), "custom", 'loss.kind = "custom" needs "module:function" here')
-        require_function(
-            loss.custom, "loss.custom", 2, "a loss fn(inputs, config) (see steps/rl_losses.py)"
-        )
-    else:
-        require(
-            not loss.custom, "custom", f'is set but loss.kind = {loss.kind!r}: set kind = "custom"'
-        )
-    require(
-        loss.ref_source == "model" or engine_of(config.rollout).ref_logprobs,
-        "ref_source",
-        f"only the {' or '.join(n for n, e in ENGINES.items() if e.ref_logprobs)} engine's "
-        f'samples carry ref_logprobs; use "model" with the {config.rollout.engine} engine',
-    )
-
-
-def validate_preference(config: DPOConfig) -> None:
-    """ConfigError unless a DPO run's data and dpo section can run; resolves dpo.custom
-    (imports its module)."""
-    dpo, data = config.dpo, config.data
-
-    def require(ok: bool, key: str, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"'{key}' = {_get(config, key)!r}: {message}")
-
-    require(data.kind == "sources", "data.kind", 'fnt dpo trains on pairs: use "sources"')
-    require(
-        tuple(data.loss_mask) == ("assistant",),
-        "data.loss_mask",
-        'fnt dpo trains each pair\'s response turn only; leave it at ["assistant"]',
-    )
-    require(
-        data.train_turns == "all",
-        "data.train_turns",
-        'fnt dpo trains each pair\'s response turn only; leave it at "all"',
-    )
-    require(math.isfinite(dpo.beta) and dpo.beta > 0, "dpo.beta", "must be a finite number > 0")
-    require(0 <= dpo.label_smoothing < 0.5, "dpo.label_smoothing", "must be in [0, 0.5)")
-    require(
-        dpo.label_smoothing == 0 or dpo.loss in ("sigmoid", "simpo"),
-        "dpo.label_smoothing",
-        f'applies to dpo.loss = "sigmoid" or "simpo", not {dpo.loss!r}',
-    )
-    require(math.isfinite(dpo.simpo_gamma), "dpo.simpo_gamma", "must be a finite number")
-    reference_free = dpo.loss in ("simpo", "orpo")
-    require(
-        not (reference_free and dpo.ref_model),
-        "dpo.ref_model",
-        f"dpo.loss = {dpo.loss!r} is reference-free: it reads no reference model",
-    )
-    require(
-        not (reference_free and dpo.precompute_reference),
-        "dpo.precompute_reference",
-        f"dpo.loss = {dpo.loss!r} is reference-free: there is nothing to precompute",
-    )
-    if dpo.loss == "custom":
-        require(bool(dpo.custom), "dpo.custom", 'dpo.loss = "custom" needs "module:function" here')
-        require_function(
-            dpo.custom,
-            "dpo.custom",
-            2,
-            "a loss fn(pairs, config) -> one value per pair (see steps/dpo_losses.py)",
-        )
-    else:
-        require(
-            not dpo.custom,
-            "dpo.custom",
-            f'is set but dpo.loss = {dpo.loss!r}: set dpo.loss = "custom"',
-        )
-
-
 def validate_sources(sources: tuple[DataSourceConfig, ...], key: str) -> None:
     """ConfigError for a data source that names no data (or two), no columns, a bad weight, or a
     metric name another source of the list has. Pure."""
@@ -352,8 +237,8 @@ def validate_val(config: Config) -> None:
     if val.interval < 0:
         raise ConfigError(f"'val.interval' = {val.interval}: must be >= 0 (0: no step)")
     validate_sources(val.sources, "val.sources")
-    held_out = isinstance(config, RLConfig) and environment_val_size(config.rollout) > 0
-    has_data = bool(val.sources or val.prompts or held_out)
+    held_out = held_out_prompts(config) > 0
+    has_data = has_val_data(config)
     evaluates = val.interval > 0 or val.eval_on_start
     if has_data and not evaluates:
         raise ConfigError(
@@ -377,12 +262,12 @@ def validate_val(config: Config) -> None:
         if not engine_of(config.rollout).greedy_eval:
             greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
             raise ConfigError(
-                f"'{key}' = {environment_val_size(config.rollout)}: greedy answers to the held-out "
+                f"'{key}' = {held_out_prompts(config)}: greedy answers to the held-out "
                 f"prompts come from an inference copy of the policy, which only the {greedy} "
                 "rollout engine holds: set rollout.engine to it, or the key to 0"
             )
     if val.prompts:
-        if not isinstance(config, RLConfig):
+        if not mode_of(config).rollouts:
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: prompts are scored by rollout.reward, so they "
                 "need an RL run (fnt rl); an SFT run validates on val.sources"
@@ -394,54 +279,6 @@ def validate_val(config: Config) -> None:
                 f"the policy, which only the {greedy} rollout engine holds: set rollout.engine "
                 "to it, with rollout.prompts"
             )
-
-
-def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
-    """ConfigError unless the in-process engine's settings can run on dp_size ranks. Pure."""
-
-    def require(ok: bool, key: str, message: str) -> None:
-        if not ok:
-            raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
-
-    kind = environment_kind(rollout.environment)
-    if kind.check is not None:
-        kind.check(rollout)
-    require(has_prompts(rollout), "prompts", "name a JSONL file of prompts")
-    require(
-        not rollout.environment_args or kind.takes_environment_args,
-        "environment_args",
-        "is read only by an environment that takes settings: "
-        + ", ".join(k.spelling for k in ENVIRONMENTS if k.takes_environment_args),
-    )
-    require(
-        bool(rollout.reward or rollout.environment),
-        "reward",
-        'name a reward (see fnt.rollout.rewards) or "module:function", or set rollout.environment',
-    )
-    if kind.name == "factory":
-        module, colon, factory = rollout.environment.partition(":")
-        require(
-            bool(module and colon and factory),
-            "environment",
-            'must be "module:factory", a function returning an environment '
-            '(fnt.rollout.environments), or a built-in one such as "reasoning_gym:TASK" '
-            "(fnt rl --list-environments)",
-        )
-    require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
-    require(rollout.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0: seq_len)")
-    require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
-    require(
-        rollout.prompts_per_step % dp_size == 0,
-        "prompts_per_step",
-        f"must be divisible by the data-parallel size ({dp_size}): each rank takes an equal share",
-    )
-    require(rollout.group_size >= 1, "group_size", "must be at least 1")
-    require(rollout.max_new_tokens >= 1, "max_new_tokens", "must be at least 1")
-    require(
-        math.isfinite(rollout.temperature) and rollout.temperature > 0,
-        "temperature",
-        "must be a finite number > 0",
-    )
 
 
 def _get(config: Any, dotted: str) -> Any:

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
-from fnt.config import Config
+from fnt.config import Config, mode_of
 from fnt.store.samples import is_sample_step, read_step_samples, samples_path
 
 _STARTED = time.perf_counter()
@@ -285,8 +285,8 @@ class ConsoleMonitor:
         self.start_step = start_step
         self.started = time.perf_counter()
         self.output_dir = config.output_dir
-        rollout = getattr(config, "rollout", None)
-        self.samples_every = None if rollout is None else rollout.log_samples_every
+        rollouts = mode_of(config).rollouts  # fnt.config.modes
+        self.samples_every = config.rollout.log_samples_every if rollouts else None
 
     def log(self, row: Mapping[str, Any]) -> None:
         elapsed = time.perf_counter() - self.started
