@@ -32,9 +32,10 @@ parses; until then it is left out, with a note. Any other line that is not a row
 - `wandb_run_id`: the contents of `wandb_run_id`;
 - `state`: `running` (a process holds run.lock), `finished` (the last row is step max_steps and,
   with ckpt.save_final, its checkpoint is complete), `stopped` (not running, the last row's step
-  is the newest complete checkpoint and nothing is half-written: a preemption, or a kill between
-  steps), `crashed` (any other run not running: rows beyond the newest checkpoint, an unfinished
-  save or a torn last row), or `unknown` (run.lock names another machine, or no config.json);
+  is the newest complete checkpoint and nothing is half-written: a preemption, or a crash before
+  the next step wrote anything), `crashed` (any other run not running: rows beyond the newest
+  checkpoint, an unfinished save or a torn last row), or `unknown` (run.lock names another
+  machine, or no config.json);
   `state_text`: the sentence `fnt inspect` prints, naming the step it crashed in (`run_state`);
 - `notes`: sentences about what was missing or left out;
 - `config_diff`, only with `--diff`: `{"other": PATH, "keys": {"dotted.key": [this, other]}}`
@@ -311,7 +312,8 @@ def run_state(view: RunView, config: dict, kinds: dict[str, list]) -> dict[str, 
     held lock is `running`. A run that is not running finished when its last row is step
     max_steps and, with ckpt.save_final, step_{max_steps} is complete. One that did not
     `stopped` when its last row's step is its newest complete checkpoint and nothing was left
-    half-written (a preemption leaves that, and so does a kill between steps); otherwise it
+    half-written (a preemption leaves that, and so does a crash before the next step wrote
+    anything); otherwise it
     `crashed`: rows beyond the newest checkpoint, a `step_N.partial` or a torn last line.
     `unknown`: the lock is held on another machine's view of the disk (run.lock names another
     host), or there is no config.json to say how many steps were planned.
@@ -348,7 +350,8 @@ def run_state(view: RunView, config: dict, kinds: dict[str, list]) -> dict[str, 
         return {
             "state": "stopped",
             "text": f"stopped after step {last} of {max_steps}, its checkpoint step_{last} "
-            f"complete (preempted, or killed between steps; {nobody})",
+            f"complete: preempted, or it crashed in step {last + 1} before writing anything "
+            f"({nobody})",
         }
     else:
         where = f"in step {last + 1} of {max_steps}"
