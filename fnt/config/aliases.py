@@ -142,8 +142,9 @@ NO_EQUIVALENT: dict[str, str] = {
     "packing": PACKING_NOTE,
     "padding_free": PACKING_NOTE,
     "dataset_text_field": (
-        "fnt finds a source's columns by name, set per source in data.sources "
-        "(messages_column, prompt_column, completion_column)"
+        "fnt reads a column named text as plain text, every token trained, and the other "
+        "forms' columns by the names set per source in data.sources (messages_column, "
+        "prompt_column, completion_column)"
     ),
     "max_prompt_length": (
         "fnt does not cut prompts alone: data.overlong says what happens to a sample over "

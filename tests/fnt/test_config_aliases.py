@@ -64,7 +64,7 @@ def test_an_alias_is_answered_with_fnts_key(typed, expected):
         # was: did you mean 'data.kind'?
         (["--packing", "false"], Config, "unknown key 'packing' (command line); fnt always packs"),
         # was: did you mean 'data.chat_template'?
-        (["--dataset_text_field", "text"], Config, "; fnt finds a source's columns by name"),
+        (["--dataset_text_field", "text"], Config, "; fnt reads a column named text as plain text"),
         # were: no suggestion
         (["--bf16", "true"], Config, "did you mean 'model.compute_dtype' = \"bfloat16\"?"),
         (["--lora_r", "8"], Config, "did you mean 'model.lora.rank'? (LoRA is on when"),
