@@ -184,7 +184,7 @@ def test_sft_help_starts_with_a_usage_line_naming_config_print_config_and_help()
     assert proc.returncode == 0
     first, *rest = proc.stdout.splitlines()
     assert first.startswith("usage: fnt sft [--config FILE.toml]")
-    for flag in ("--config FILE.toml", "--print-config", "--help, --help-config"):
+    for flag in ("--config FILE.toml", "--print-config", "-h, --help, --help-config"):
         assert any(line.strip().startswith(flag) for line in rest), flag
     assert "--optim.lr (float" in proc.stdout
     assert run_cli("rl", "--help").stdout.startswith("usage: fnt rl ")
