@@ -3,8 +3,8 @@ Side effects: on first use in a process, compiles the extension with the system 
 ninja into a cache directory (``$FNT_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/fnt/native``, else
 ``~/.cache/fnt/native``) and imports it. It may prepend the running interpreter's bin directory
 to ``PATH`` when ninja is installed there but not on ``PATH`` (a virtualenv used without
-activating it), because torch's builder runs ninja from ``PATH``. It reads ``$CXX`` and /proc/cpuinfo (the cache
-key), and holds a lock file in the cache directory while it builds.
+activating it), because torch's builder runs ninja from ``PATH``. It reads ``$CXX`` and
+/proc/cpuinfo (the cache key), and holds a lock file in the cache directory while it builds.
 
 Builds of one cache directory are serialised by an ``fcntl.flock`` on ``fnt-build.lock`` in it
 (`build_lock`), taken with a timeout; holding it, a build removes the lock file that torch's

@@ -1,7 +1,8 @@
 """The best checkpoint (ckpt.keep_best): which complete checkpoint's step has the lowest (or
 highest) value of a row key. Pure, except `read_step_rows` and `best_checkpoint`, which read
 metrics.jsonl and list checkpoints/, and `prune_checkpoints_`, which deletes the checkpoints
-ckpt.keep_last and ckpt.keep_best do not keep. Imports nothing heavy (`fnt inspect` names the best too).
+ckpt.keep_last and ckpt.keep_best do not keep. Imports nothing heavy (`fnt inspect` names the
+best too).
 
 The best is never remembered, only found again: from the rows on disk (metrics.jsonl, where row
 N is written before step_N is committed) and the complete checkpoints. Pruning keeps it beside

@@ -1,7 +1,8 @@
 """Property-based tests of resume and logging for your own steps: hypothesis strategies and two
-ready properties. Needs the `testing` extra (`pip install 'fnt[testing]'`: hypothesis). Side effects: importing
-it registers two hypothesis profiles and reads $FNT_TESTING_PROFILE; the properties run fnt's
-driver (fnt.testing.properties) and `write_listing_` creates directories (fnt.testing.strategies).
+ready properties. Needs the `testing` extra (`pip install 'fnt[testing]'`: hypothesis).
+Side effects: importing it registers two hypothesis profiles and reads $FNT_TESTING_PROFILE; the
+properties run fnt's driver (fnt.testing.properties) and `write_listing_` creates directories
+(fnt.testing.strategies).
 
 - strategies (`fnt.testing.strategies`): `tiny_configs` (valid SFT and RL configs of the tiny
   model, 1 or 2 ranks), `checkpoint_listings` and `write_listing_` (checkpoint directories with
