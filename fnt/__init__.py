@@ -51,8 +51,8 @@ _EXPORTS = {
     "PairMicroBatch": "fnt.batch",
     "PairLogps": "fnt.preference",
     # The process, the optimizer, the schedule, the profiler
-    "setup_trainer": "fnt.dist.runtime",
-    "teardown_trainer": "fnt.dist.runtime",
+    "setup_trainer": "fnt.distributed.runtime",
+    "teardown_trainer": "fnt.distributed.runtime",
     "setup_optimizer": "fnt.optim",
     "lr_at": "fnt.schedule",
     "resolve_resume_step": "fnt.resume",

@@ -25,7 +25,7 @@ from fnt.config import Config, DPOConfig, LoraConfig, RLConfig, engine_of, mode_
 from fnt.config.environments import has_prompts
 from fnt.config.modes import has_val_data, reference_dir
 from fnt.config.references import import_function
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.model.loading import load_model
 from fnt.obs.console import say
 from fnt.optim.setup import set_hyperparameters_, setup_optimizer
@@ -138,7 +138,7 @@ def data_cache(config: Config, runtime: Runtime):
     data_cache/; its work split over the ranks, which gather what they found over the process
     group."""
     from fnt.data.cache import DataCache
-    from fnt.dist.collectives import all_gather_objects
+    from fnt.distributed.collectives import all_gather_objects
 
     directory = Path(config.data.cache_dir or Path(config.output_dir) / DATA_CACHE_DIR)
     return DataCache(

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fnt.config import Config, to_json
-from fnt.dist.collectives import all_gather_objects
+from fnt.distributed.collectives import all_gather_objects
 from fnt.errors import CheckpointError
 from fnt.faults import fault_point
 from fnt.model.lora import base_fingerprint, is_adapted, lora_of

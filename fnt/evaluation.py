@@ -35,9 +35,9 @@ from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
 from fnt.data.pairs import load_pair_corpus, pack_pairs, pair_masking
-from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
-from fnt.dist.parallel import rank_share
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
+from fnt.distributed.parallel import rank_share
+from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import loss_tokens_of
 from fnt.model.lora import adapters_disabled
 from fnt.model.tokenizer import load_tokenizer, pad_token_id

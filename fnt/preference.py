@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from fnt.batch import PairBatch, PairMicroBatch, row_layout, to_device
 from fnt.config.losses import PREFERENCE_LOSSES, names_where
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import TokenLogprobs, at_loss_tokens, loss_tokens_of
 from fnt.model.lora import adapters_disabled
 from fnt.update import forward_loss_tokens, micro_batches_to_run

@@ -47,7 +47,7 @@ from fnt.state import Progress, TrainState
 from fnt.store.rundir import ckpt_root
 
 if TYPE_CHECKING:
-    from fnt.dist.runtime import Runtime
+    from fnt.distributed.runtime import Runtime
     from fnt.obs.monitors import Monitors
 
 PREFIX = "val/"

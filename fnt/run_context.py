@@ -8,7 +8,7 @@ checkpoint at the next step boundary, within a grace period: PreemptionWatch, wi
 its own), the watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0,
 before anything in the directory is read or changed; the command line takes it earlier still,
 and then it is already held: fnt.store.rundir.run_lock nests), and the process group
-(fnt.dist.runtime.setup_trainer).
+(fnt.distributed.runtime.setup_trainer).
 `begin_(state)` then acts on the start state: its handles are closed at the end, config.json is
 written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
 the reverse order, on a normal exit, an error or a preemption alike.
@@ -26,8 +26,8 @@ import time
 from typing import Any, Mapping, Optional
 
 from fnt.config import Config, to_json
-from fnt.dist.collectives import all_reduce_max
-from fnt.dist.runtime import Runtime, setup_trainer, teardown_trainer
+from fnt.distributed.collectives import all_reduce_max
+from fnt.distributed.runtime import Runtime, setup_trainer, teardown_trainer
 from fnt.obs.console import end_summary
 from fnt.obs.monitors import open_monitors
 from fnt.obs.profiler import save_trace_, start_trace

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, TypeVar
 
 from fnt.batch import BadToken, PairBatch, RLBatch, SftBatch, first_bad_token
-from fnt.dist.collectives import all_gather_objects, all_reduce_max
+from fnt.distributed.collectives import all_gather_objects, all_reduce_max
 from fnt.errors import DataError
 from fnt.state import TrainState
 

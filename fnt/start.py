@@ -16,7 +16,7 @@ from typing import Optional, Union
 from fnt.build import init_state, restore_
 from fnt.checkpoint import checkpoint_problems, read_meta, read_saved_config
 from fnt.config import Config, ConfigError, mode_of, to_plain
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.errors import CheckpointError
 from fnt.model.attention import KERNELS, kernel_problem, resolve_kernel
 from fnt.model.compile import compiles

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from fnt.config import Config
-    from fnt.dist.runtime import Runtime
+    from fnt.distributed.runtime import Runtime
 
 
 class Component(Protocol):

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from fnt.batch import PackedRows, row_layout, to_device
 from fnt.config import ModelConfig
-from fnt.dist.collectives import all_reduce_max, all_reduce_sum, all_reduce_sums
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import all_reduce_max, all_reduce_sum, all_reduce_sums
+from fnt.distributed.runtime import Runtime
 from fnt.model.attention import packed_inputs
 from fnt.model.lm_head import (
     LossTokens,

@@ -47,7 +47,7 @@ from fnt.batch import DataPosition, PackedRows, SftBatch, to_device
 from fnt.config import ParallelConfig
 from fnt.config.parallel import plan_parallel_dims
 from fnt.data.synthetic import synthetic_rows
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.model.attention import attention_mask_for
 from fnt.model.tiny_model import byte_level_tokenizer, parse_args, tiny_config
 from fnt.optim.setup import NO_OFFLOAD

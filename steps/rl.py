@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from fnt.batch import RLBatch, RLMicroBatch, host_array, row_layout, to_device
 from fnt.config import RLLossConfig
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import TokenLogprobs, loss_tokens_of
 from fnt.model.lm_head import at_loss_tokens as values_at_loss_tokens
 from fnt.model.lora import adapters_disabled

@@ -138,7 +138,7 @@ def main(argv: list[str]) -> None:
 def show(config, step: int, n: int, color: bool) -> None:
     """Print `n` trajectories of step `step` sampled from config.model.name (one process)."""
     from fnt.batch import DataPosition
-    from fnt.dist.runtime import setup_trainer, teardown_trainer
+    from fnt.distributed.runtime import setup_trainer, teardown_trainer
     from fnt.rollout.engines.in_process import InProcessEngine
 
     runtime = setup_trainer(config)

@@ -2,7 +2,7 @@
 the batch-layout rule. Pure.
 
 No torch here: config validation uses the same rules on the command line, before torch is
-imported; setup (fnt.dist.runtime) applies them again once the model's number of experts is
+imported; setup (fnt.distributed.runtime) applies them again once the model's number of experts is
 known.
 """
 

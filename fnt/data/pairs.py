@@ -73,7 +73,7 @@ from fnt.data.load import (
 )
 from fnt.data.packing import StepPlan, pack_rows, step_metrics
 from fnt.data.sft import PlannedData, source_order
-from fnt.dist.parallel import check_batch_layout, rank_share
+from fnt.distributed.parallel import check_batch_layout, rank_share
 from fnt.errors import DataError
 from fnt.model.tokenizer import pad_token_id
 from fnt.state import Progress

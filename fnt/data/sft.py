@@ -20,7 +20,7 @@ from fnt.data.corpus import Corpus
 from fnt.data.load import DataSource, load_corpus, sample_origin
 from fnt.data.order import SampleOrder
 from fnt.data.packing import StepPlan, pack_rows, plan_step, step_metrics, steps_for_epochs
-from fnt.dist.parallel import check_batch_layout, rank_share
+from fnt.distributed.parallel import check_batch_layout, rank_share
 from fnt.model.tokenizer import pad_token_id
 from fnt.state import Progress, Stateless
 

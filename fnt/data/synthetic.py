@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fnt.batch import DataPosition, PackedRows, SftBatch
-from fnt.dist.parallel import check_batch_layout, rank_bounds
+from fnt.distributed.parallel import check_batch_layout, rank_bounds
 from fnt.state import Progress, Stateless
 
 _VOCAB = 256

@@ -17,7 +17,7 @@ from fnt.model.sharded_load import load_shards_, params_on_meta
 from fnt.optim.setup import NO_OFFLOAD, OffloadPlan, float32_inputs, fp32_module_names
 
 if TYPE_CHECKING:
-    from fnt.dist.runtime import Runtime
+    from fnt.distributed.runtime import Runtime
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

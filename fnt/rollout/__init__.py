@@ -5,7 +5,7 @@ to vLLM servers, collectives), reading the prompts (prompts, base), saving sampl
 environments a config names (rewards, environments); advantages and pack are pure. This file
 only re-exports names, each imported from its module on first use.
 
-    load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.dist.parallel)
+    load_prompts, prompt_order, step_prompts (prompts), rank_share (fnt.distributed.parallel)
     -> run_episodes (environments.episodes: batched turns of generate (sampling), the
        environment's replies rendered token-exact (environments.render))
     -> scored_samples (the environment's score, group_advantages) -> RolloutSample (pack)

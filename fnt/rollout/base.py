@@ -24,9 +24,9 @@ import torch
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.config.environments import supplies_prompts
-from fnt.dist.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
-from fnt.dist.parallel import check_batch_layout
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
+from fnt.distributed.parallel import check_batch_layout
+from fnt.distributed.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id, stop_token_ids
 from fnt.rollout.environments import SingleTurnEnvironment, environment_of

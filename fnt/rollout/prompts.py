@@ -11,7 +11,7 @@ source), so the prompt at a data position (epoch, cursor) is a pure function of 
 cursor). An environment that makes its own prompts (`source_prompts`) has several sources, mixed
 by weight the same way. Step N takes the next prompts_per_step prompts of that order, wrapping
 into the next epoch, and rank r takes the r-th contiguous share of them
-(fnt.dist.parallel.rank_share).
+(fnt.distributed.parallel.rank_share).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fnt.config import RLConfig
 from fnt.config.engines import engine_of
-from fnt.dist.collectives import full_state_dict
+from fnt.distributed.collectives import full_state_dict
 from fnt.model.loading import without_tied_duplicates
 from fnt.model.lora import merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fnt.config import RLConfig
-from fnt.dist.collectives import all_gather_objects
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import all_gather_objects
+from fnt.distributed.runtime import Runtime
 from fnt.obs.metrics import finite_or_none
 from fnt.rollout.environments.episodes import ran_out_of_turns
 from fnt.rollout.pack import RolloutSample

@@ -66,7 +66,7 @@ try:
 except SystemExit as exc:
     code = exc.code
 heavy = sorted(
-    m for m in ("fnt.build", "fnt.model.loading", "fnt.dist.runtime", "fnt.loop") if m in
+    m for m in ("fnt.build", "fnt.model.loading", "fnt.distributed.runtime", "fnt.loop") if m in
     sys.modules
 )
 print(json.dumps({"code": code, "heavy": heavy}))

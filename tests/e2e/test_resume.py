@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, sft_source
 from fnt.build import save_state_
 from fnt.config import OptimConfig
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.resume import resolve_resume_step
 from fnt.start import start_state
 from fnt.store.rundir import ABANDONED_DIR

@@ -13,8 +13,8 @@ import sys
 import torch
 
 from fnt.config import Config, ModelConfig
-from fnt.dist.collectives import full_state_dict
-from fnt.dist.runtime import setup_trainer, teardown_trainer
+from fnt.distributed.collectives import full_state_dict
+from fnt.distributed.runtime import setup_trainer, teardown_trainer
 from fnt.model.loading import load_model
 
 INPUT_IDS = torch.arange(3, 43).reshape(2, 20)

@@ -7,7 +7,7 @@ import torch
 
 from fnt import Config, ConfigError, ModelConfig, fold, init_state, restore_, sft_source
 from fnt.build import save_state_
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.start import start_state
 from fnt.state import StaleStateError
 from fnt.store.rundir import ckpt_root, step_dir

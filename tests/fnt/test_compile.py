@@ -36,7 +36,7 @@ from fnt.config import (
     RuntimeConfig,
     validate,
 )
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.loop import run
 from fnt.model.compile import (
     compile_layers_,

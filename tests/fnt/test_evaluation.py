@@ -25,7 +25,7 @@ from fnt.config import (
     ValConfig,
 )
 from fnt.data import load_corpus
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.evaluation import loss_metrics, pack_in_order, rank_rows
 from fnt.model.tokenizer import stop_token_ids
 from fnt.obs.metrics import to_floats

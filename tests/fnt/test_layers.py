@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("store", ("fnt.store",)),
     ("optim", ("fnt.native", "fnt.optim")),
     ("model", ("fnt.model",)),
-    ("dist", ("fnt.dist",)),
+    ("distributed", ("fnt.distributed",)),
     ("obs", ("fnt.obs",)),
     ("data", ("fnt.data",)),
     ("rollout", ("fnt.rollout",)),

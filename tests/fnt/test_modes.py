@@ -31,7 +31,7 @@ from fnt.config import (
 )
 from fnt.config.modes import has_val_data, held_out_prompts, reference_dir
 from fnt.config.references import import_function
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from tests.fnt import toy_mode
 from tests.fnt.toy_mode import TOY, ToyConfig
 

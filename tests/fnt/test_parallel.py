@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fnt.dist.parallel import rank_bounds, rank_share
+from fnt.distributed.parallel import rank_bounds, rank_share
 
 
 @given(items=st.lists(st.integers(), max_size=24), dp=st.integers(1, 4))

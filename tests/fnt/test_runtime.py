@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fnt.config import ConfigError, ParallelConfig
 from fnt.config.parallel import ParallelDims, plan_parallel_dims, resolve_ep
-from fnt.dist.runtime import threads_per_rank
+from fnt.distributed.runtime import threads_per_rank
 from fnt.model.moe import num_experts_of
 
 SETTINGS = settings(max_examples=200, deadline=None)

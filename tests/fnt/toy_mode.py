@@ -13,7 +13,7 @@ from dataclasses_json import dataclass_json
 
 from fnt.config import Config, ConfigError, Mode
 from fnt.data.synthetic import SyntheticData
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 
 
 @dataclass_json

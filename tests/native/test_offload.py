@@ -11,7 +11,7 @@ from fnt.batch import DataPosition, SftBatch
 from fnt.build import save_state_
 from fnt.config import Config, ConfigError, ModelConfig, OptimConfig
 from fnt.data.synthetic import synthetic_rows, take_rows
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.loop import fold
 from fnt.optim.adamw import CPUAdamW
 from fnt.optim.offload import node_cpus, numa_binding, numa_node_of, parse_cpulist

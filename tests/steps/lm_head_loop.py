@@ -19,7 +19,7 @@ import torch
 from fnt import init_state
 from fnt.config import Config, ModelConfig, RLLossConfig
 from fnt.data.synthetic import synthetic_rows
-from fnt.dist.runtime import setup_trainer, teardown_trainer
+from fnt.distributed.runtime import setup_trainer, teardown_trainer
 from fnt.update import accumulate_gradients_, grad_norm_
 from steps.rl import rl_gradients_
 from steps.sft import sft_loss

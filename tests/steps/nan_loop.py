@@ -15,7 +15,7 @@ import torch
 
 from fnt import fold, init_state, sft_source
 from fnt.config import Config, ModelConfig
-from fnt.dist.runtime import setup_trainer, teardown_trainer
+from fnt.distributed.runtime import setup_trainer, teardown_trainer
 from steps.sft import sft_step
 
 

@@ -18,7 +18,7 @@ import torch
 
 from fnt import init_state
 from fnt.config import ModelConfig, OptimConfig, RLConfig, RLLossConfig
-from fnt.dist.runtime import setup_trainer, teardown_trainer
+from fnt.distributed.runtime import setup_trainer, teardown_trainer
 from steps.rl import rl_step
 from tests.steps.test_rl_ref_kl import REF_KL_TAU, off_policy_inference
 from tests.steps.test_rl_step import ROWS, T, own_logprobs, random_rows, rl_batch

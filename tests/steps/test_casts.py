@@ -15,7 +15,7 @@ import fnt.update
 from fnt import init_state
 from fnt.config import Config, ModelConfig, OptimConfig
 from fnt.data.synthetic import synthetic_rows
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss
 from tests.steps.test_sft import batch_of

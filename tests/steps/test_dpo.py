@@ -23,7 +23,7 @@ from fnt.config import (
     OptimConfig,
     PreferenceConfig,
 )
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.model.lm_head import loss_tokens_of
 from fnt.preference import PairLogps, pair_logps, with_reference_logps
 from fnt.sources import pair_source

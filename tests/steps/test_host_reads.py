@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fnt import init_state
 from fnt.config import Config, ModelConfig, OptimConfig, RLLossConfig
 from fnt.data.synthetic import synthetic_rows
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.sources import pair_source
 from steps import dpo_step
 from steps.rl import rl_step

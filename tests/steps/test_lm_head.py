@@ -20,7 +20,7 @@ from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch, SftBatch
 from fnt.config import ParallelConfig, RLLossConfig
 from fnt.config.parallel import plan_parallel_dims
 from fnt.data.synthetic import take_rows
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import (
     chunked_head,
     loss_tokens_of,

@@ -13,8 +13,8 @@ from fnt import fold, init_state
 from fnt.batch import DataPosition, PackedRows, RLBatch, RLMicroBatch
 from fnt.config import LoraConfig, ModelConfig, OptimConfig, RLConfig, RLLossConfig
 from fnt.data.synthetic import take_rows
-from fnt.dist.collectives import all_reduce_sum, all_reduce_sums
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.collectives import all_reduce_sum, all_reduce_sums
+from fnt.distributed.runtime import setup_trainer
 from fnt.update import packed_logits
 from steps.rl import rl_gradients_, rl_step
 

@@ -11,7 +11,7 @@ from fnt import fold, init_state
 from fnt.batch import DataPosition, SftBatch
 from fnt.config import Config, ModelConfig, OptimConfig
 from fnt.data.synthetic import synthetic_rows, take_rows
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.state import StaleStateError
 from fnt.update import accumulate_gradients_
 from steps.sft import sft_loss, sft_step

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 from fnt.batch import BadToken, DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig
-from fnt.dist.parallel import check_batch_layout, rank_share
-from fnt.dist.runtime import Runtime
+from fnt.distributed.parallel import check_batch_layout, rank_share
+from fnt.distributed.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.advantages import group_advantages

@@ -37,9 +37,9 @@ from torch import nn
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import ConfigError, RLConfig
-from fnt.dist.collectives import full_state_dict
-from fnt.dist.parallel import rank_bounds, rank_share
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import full_state_dict
+from fnt.distributed.parallel import rank_bounds, rank_share
+from fnt.distributed.runtime import Runtime
 from fnt.model.compile import compile_layers_, compiles
 from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.model.lora import add_adapters_, is_adapted

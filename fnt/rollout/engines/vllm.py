@@ -52,9 +52,9 @@ import httpx
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig
-from fnt.dist.collectives import broadcast_object
-from fnt.dist.parallel import rank_share
-from fnt.dist.runtime import Runtime
+from fnt.distributed.collectives import broadcast_object
+from fnt.distributed.parallel import rank_share
+from fnt.distributed.runtime import Runtime
 from fnt.errors import DataError, ServerError
 from fnt.rollout.base import LOGPROB_SLACK, PromptRollouts, as_float32, rollout_policy_step
 from fnt.rollout.publish import publish_weights_, weights_dir

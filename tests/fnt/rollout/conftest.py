@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fnt import init_state
 from fnt.config import ModelConfig, RLConfig, RolloutConfig, RuntimeConfig
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +54,7 @@ def one_process_runtime():
     """The Runtime of a plain one-process CPU run, without setup_trainer's side effects."""
     from fnt.config import ParallelConfig
     from fnt.config.parallel import plan_parallel_dims
-    from fnt.dist.runtime import Runtime
+    from fnt.distributed.runtime import Runtime
     from fnt.optim.setup import NO_OFFLOAD
 
     return Runtime(

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.loop import fold
 from fnt.rollout.base import rollout_policy_step
 from fnt.rollout.engines.in_process import InProcessEngine

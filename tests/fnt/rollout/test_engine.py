@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from fnt.batch import DataPosition, to_device
 from fnt.config import ConfigError, validate_rollout
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.errors import DataError
 from fnt.loop import fold
 from fnt.rollout import (

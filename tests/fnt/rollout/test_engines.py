@@ -20,7 +20,7 @@ from fnt.config import (
     validate,
 )
 from fnt.config.references import import_function
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from steps import rl_step
 from tests.fnt.rollout.toy_engine import ToyEngine
 

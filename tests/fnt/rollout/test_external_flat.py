@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.errors import DataError
 from fnt.rollout.engines.external import ExternalRollouts, parse_sample
 from fnt.state import Progress

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from fnt.config import RolloutConfig
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.errors import DataError
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.engines.external import (

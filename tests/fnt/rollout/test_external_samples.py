@@ -9,7 +9,7 @@ import types
 import pytest
 
 from fnt.config import ModelConfig, RLConfig, RLLossConfig, RolloutConfig
-from fnt.dist.runtime import setup_trainer
+from fnt.distributed.runtime import setup_trainer
 from fnt.errors import DataError
 from fnt.rollout.engines.external import ExternalRollouts, parse_sample, rollout_dir
 from fnt.state import Progress

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig
-from fnt.dist.runtime import Runtime
+from fnt.distributed.runtime import Runtime
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.pack import pack_rollouts, single_turn
 from fnt.rollout.sampling import Completion

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from fnt import rl_source
-from fnt.dist.runtime import teardown_trainer
+from fnt.distributed.runtime import teardown_trainer
 from tests.fnt.rollout.conftest import rl_config, rl_state, scale_weights_
 
 

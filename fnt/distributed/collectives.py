@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from fnt.dist.runtime import Runtime
+    from fnt.distributed.runtime import Runtime
 
 
 def all_reduce_sum(t: Tensor, distributed: bool) -> Tensor:
