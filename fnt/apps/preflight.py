@@ -251,32 +251,44 @@ def export_marker(checkpoint: PathLike, dtype: Optional[str], merge: bool) -> st
 
 def require_model_dir(name: str, source: str = "", key: str = "model.name") -> None:
     """Raise ConfigError unless `name` (the value of `key`, from `source` when known) is a
-    directory holding a Hugging Face config.json.
+    Hugging Face model directory that from_pretrained can load: a config.json that parses and
+    names a causal LM transformers has, and complete weights (fnt.model.directory).
 
     Checked up front because from_pretrained, given a missing directory, fails only after the
-    heavy imports, with a message about the Hugging Face Hub.
+    heavy imports, with a message about the Hugging Face Hub; and given a truncated config.json
+    or a missing shard, with a long traceback.
     """
-    if name and os.path.isfile(os.path.join(name, "config.json")):
-        return
-    target = shlex.quote(name) if name else "DIR"
+    from fnt.model.directory import model_dir_problem
+
     came_from = f" ({source})" if source else ""
+    if name and os.path.isfile(os.path.join(name, CONFIG_FILE)):
+        problem = model_dir_problem(name)
+        if problem is None:
+            return
+        raise ConfigError(f"{named(key, name)}{came_from}: {problem}")
+    target = shlex.quote(name) if name else "DIR"
     raise ConfigError(
-        f"'{key}' = {name!r}{came_from}: no Hugging Face model there (expected a directory "
+        f"{named(key, name)}{came_from}: no Hugging Face model there (expected a directory "
         "with config.json); point it at a local model directory, or for a tiny test model (the "
         f"debug configs use one) create it with: fnt make-tiny-model --out {target}"
     )
 
 
-def require_tokenizer_files(name: str, needed_by: str) -> None:
-    """Raise ConfigError unless the model directory holds tokenizer files (`needed_by` says what
-    needs a tokenizer). transformers would otherwise suggest installing sentencepiece."""
-    if any(os.path.isfile(os.path.join(name, file)) for file in TOKENIZER_FILES):
-        return
-    raise ConfigError(
-        f"'model.name' = {name!r}: no tokenizer files in the model directory (expected one of "
-        f"{', '.join(TOKENIZER_FILES)}), and {needed_by} needs a tokenizer; copy the tokenizer "
-        "files that belong to the model into it"
-    )
+def require_tokenizer_files(name: str, needed_by: str, key: str = "model.name") -> None:
+    """Raise ConfigError unless the model directory holds tokenizer files whose JSON ones parse
+    (`needed_by` says what needs a tokenizer). transformers would otherwise suggest installing
+    sentencepiece, or fail deep in the tokenizer library."""
+    from fnt.model.directory import tokenizer_problem
+
+    if not any(os.path.isfile(os.path.join(name, file)) for file in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{named(key, name)}: no tokenizer files in the model directory (expected one of "
+            f"{', '.join(TOKENIZER_FILES)}), and {needed_by} needs a tokenizer; copy the "
+            "tokenizer files that belong to the model into it"
+        )
+    problem = tokenizer_problem(name)
+    if problem:
+        raise ConfigError(f"{named(key, name)}: {problem}, and {needed_by} needs the tokenizer")
 
 
 def require_path(path: str, key: str) -> None:
@@ -320,6 +332,8 @@ def check_generate(checkpoint: PathLike, prompts_file: Optional[str]) -> str:
                 f"{named('--checkpoint', path)}: no tokenizer files in the model directory "
                 f"(expected one of {', '.join(TOKENIZER_FILES)}), which generating needs"
             )
+        require_model_dir(str(path), key="--checkpoint")
+        require_tokenizer_files(str(path), "generating", key="--checkpoint")
         kind = "model"
     else:
         check_export_source(path)
