@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {runs} holds no demo SFT result: run demo.py --runs {runs} --skip-rl")
     extra = () if args.max_steps is None else (f"--max-steps={args.max_steps}",)
 
-    sft_after = evaluate(sft_hf, data)
+    sft_after = evaluate(sft_hf, data, "the SFT model")
     results: list[dict] = []
     for seed in args.seeds:
         for engine in engines:

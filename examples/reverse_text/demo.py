@@ -70,8 +70,10 @@ def export_last(run_dir: Path, out: Path) -> None:
     run("scripts/export_hf.py", "--checkpoint", str(checkpoint), "--out", str(out))
 
 
-def evaluate(model: Path, data: Path) -> float:
-    """Mean held-out similarity of `model`, as eval.py's last line reports it."""
+def evaluate(model: Path, data: Path, label: str) -> float:
+    """Mean held-out similarity of `model`, as eval.py's last line reports it; a line before it
+    says which model it scores (`label`: the base model, the SFT model, ...)."""
+    print(f"held-out similarity of {label} ({model}):", flush=True)
     heldout = str(data / "heldout.jsonl")
     return last_json(str(HERE / "eval.py"), "--model", str(model), "--data", heldout)["similarity"]
 
@@ -113,7 +115,7 @@ def rl_stage(
     else:
         run(*rl_run)
     export_last(rl_dir, rl_hf)
-    return evaluate(rl_hf, data)
+    return evaluate(rl_hf, data, "the RL model")
 
 
 def dpo_stage(sft_hf: Path, data: Path, dpo_dir: Path, dpo_hf: Path, *, seed: int) -> float:
@@ -126,7 +128,7 @@ def dpo_stage(sft_hf: Path, data: Path, dpo_dir: Path, dpo_hf: Path, *, seed: in
     args += ["--val.sources", val, "--val.interval", "20"]
     run("scripts/dpo.py", *args)
     export_last(dpo_dir, dpo_hf)
-    return evaluate(dpo_hf, data)
+    return evaluate(dpo_hf, data, "the DPO model")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,14 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     seed = ("--seed", str(args.seed))
     run("scripts/make_tiny_model.py", "--out", str(model), *TINY_MODEL, *seed)
     run(str(HERE / "make_data.py"), "--out", str(data), *seed)
-    result = {"sft_before": evaluate(model, data)}
+    result = {"sft_before": evaluate(model, data, "the base model, before SFT")}
     seconds["setup"] = time.time() - started
 
     sources = json.dumps([{"path": str(data / "sft.jsonl")}])
     sft_args = ["--model.name", str(model), "--output-dir", str(sft_dir), "--data.sources", sources]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
     export_last(sft_dir, sft_hf)
-    result["sft_after"] = evaluate(sft_hf, data)
+    result["sft_after"] = evaluate(sft_hf, data, "the SFT model")
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
     if not args.skip_dpo:

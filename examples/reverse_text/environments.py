@@ -83,7 +83,6 @@ class LookupTool:
     reversal. The prompt never shows the word, so only an episode that calls the tool can
     answer right."""
 
-    keep_special_tokens = True  # as ToolEnvironment's
     reward_weights: dict[str, float] = {}
 
     def tools(self, record: Mapping[str, Any]) -> ToolEnvironment:

@@ -2,7 +2,7 @@
 
 The held-out prompts decode greedily, all in one batch; the score is the mean
 difflib.SequenceMatcher ratio between the completion and the true reversal. Prints one JSON
-object: {"similarity": ..., "n": ...}.
+object: {"model": ..., "similarity": ..., "n": ...}.
 
     python examples/reverse_text/eval.py --model HF_DIR --data DATA/heldout.jsonl
 """
@@ -37,7 +37,7 @@ def heldout_similarity(model_dir: Path, data: Path, limit: int, max_new_tokens: 
         similarity(tokenizer.decode(list(completion.token_ids), skip_special_tokens=True), record)
         for (completion,), record in zip(groups, records)
     ]
-    return {"similarity": sum(scores) / len(scores), "n": len(scores)}
+    return {"model": str(model_dir), "similarity": sum(scores) / len(scores), "n": len(scores)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,8 @@ JSONL file).
 
 Each held-out prompt is one episode of an environment of examples/reverse_text/environments.py,
 run by fnt's own episode runner (fnt.rollout.environments.episodes) with every turn of all
-episodes decoded in one greedy batch. Prints one JSON object:
+episodes decoded in one greedy batch. Prints one JSON object, with "model" (the directory
+scored) and:
 - --environment feedback (a wrong reversal gets a hint and one more try): {"single_turn": ...,
   "multi_turn": ..., "turns": ..., "n": ...}: the mean similarity of the first answer (what a
   single-turn episode scores), of the last answer (the episode's reward), and the mean turns;
@@ -75,6 +76,7 @@ def heldout_episodes(
         std_normalize=False,
         prompts_path=str(data),
         name=f"environment '{name}'",
+        reward_name=name,
     )
     sampler = GreedyTurns(model, stop_token_ids(tokenizer, model_dir))
     episodes = [g[0] for g in run_episodes(prompts, sampler, environment, tokenizer, rules)]
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     limit = args.max_new_tokens or (64 if args.environment == "lookup_tool" else 16)
     episodes = heldout_episodes(args.model, args.data, args.max_turns, limit, args.environment)
-    print(json.dumps(episodes))
+    print(json.dumps({"model": str(args.model), **episodes}))
 
 
 if __name__ == "__main__":

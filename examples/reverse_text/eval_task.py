@@ -2,7 +2,7 @@
 held-out prompts an RL run with the same rollout.reasoning_gym settings evaluates on (never
 among its training prompts), greedy answers, each scored by the task's own scorer.
 
-Prints one JSON object: {"accuracy": ..., "score": ..., "n": ...}, accuracy being the fraction
+Prints one JSON object: {"model": ..., "accuracy": ..., "score": ..., "n": ...}, accuracy being the fraction
 of answers the scorer gives 1.0 and score the scorer's mean (what val/reward/mean reports).
 
     python examples/reverse_text/eval_task.py --model HF_DIR [--task spell_backward]
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
             answer=args.answer,
         ),
     )
-    print(json.dumps(held_out_accuracy(args.model, rollout, args.max_new_tokens)))
+    scores = held_out_accuracy(args.model, rollout, args.max_new_tokens)
+    print(json.dumps({"model": str(args.model), **scores}))
 
 
 if __name__ == "__main__":

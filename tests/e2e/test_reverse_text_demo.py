@@ -38,3 +38,20 @@ def test_demo_sft_then_rl_raises_heldout_similarity(tmp_path):
     rows = (tmp_path / "reverse-rl" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(row)["step"] for row in rows]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 1
+
+
+def test_each_held_out_line_says_which_model_it_scored(tiny_model_dir, tmp_path, capfd):
+    """The demo's held-out evals are labelled: a line naming the stage's model, then eval.py's
+    JSON, which names the directory it scored (issue 45: bare {"similarity": 0.0, "n": 200}
+    lines did not say which model they were)."""
+    from examples.reverse_text.demo import evaluate
+    from examples.reverse_text.make_data import prompt_record
+
+    (tmp_path / "heldout.jsonl").write_text(
+        "".join(json.dumps(prompt_record(text)) + "\n" for text in ("abc", "hello"))
+    )
+    similarity = evaluate(tiny_model_dir, tmp_path, "the SFT model")
+    lines = capfd.readouterr().out.strip().splitlines()
+    assert lines[-2] == f"held-out similarity of the SFT model ({tiny_model_dir}):"
+    scored = json.loads(lines[-1])
+    assert scored == {"model": str(tiny_model_dir), "similarity": similarity, "n": 2}
