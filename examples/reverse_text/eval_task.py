@@ -2,8 +2,9 @@
 held-out prompts an RL run with the same rollout.reasoning_gym settings evaluates on (never
 among its training prompts), greedy answers, each scored by the task's own scorer.
 
-Prints one JSON object: {"model": ..., "accuracy": ..., "score": ..., "n": ...}, accuracy being the fraction
-of answers the scorer gives 1.0 and score the scorer's mean (what val/reward/mean reports).
+Prints one JSON object: {"model": ..., "accuracy": ..., "score": ..., "n": ...}, accuracy being
+the fraction of answers the scorer gives 1.0 and score the scorer's mean (what val/reward/mean
+reports).
 
     python examples/reverse_text/eval_task.py --model HF_DIR [--task spell_backward]
         [--param max_word_len=10 ...] [--size 10000] [--val-size 200] [--seed 0]
