@@ -52,7 +52,8 @@ def micro_batches_to_run(loss_tokens_per_mb: list[int], runtime: Runtime) -> int
     any rank, and at least one.
 
     Packing fills rows in order, so the all-padding rows a step's share leaves over sit at the
-    end (RL configs size batch_size for the longest possible samples). Their loss and gradients
+    end (the fixed layout's unused rows, the all-padding micro-batches that
+    even out the ranks' shares). Their loss and gradients
     are exactly zero, so skipping them changes no result and saves their forward and backward.
     Under FSDP2 every rank must run the same number of forward/backward passes, hence the
     maximum over ranks.

@@ -10,8 +10,13 @@ A single-turn sample is the special case with one sampled span at the end (`sing
 Each sample is one document. The rest of every row is one padding document without loss
 (fnt.data.packing's convention, so attention never mixes padding with samples).
 
-Capacity: a rank's samples must fit, first-fit in order, into its batch_size // dp rows of
-seq_len tokens (`first_fit`); that is what batch_size promises, and what the errors point at.
+Capacity: a step is its episodes (prompts_per_step x group_size, whatever their turns made
+of them), not a number of rows. A rank's samples take as many micro-batches as they need, each
+within the token budget of micro_batch_size rows of seq_len, so a step whose episodes outgrow
+its batch_size // dp rows runs more micro-batches instead of failing: memory per forward/backward
+stays the same, the loss is still normalised over the whole step (fnt.update) and there is still
+one optimizer update. Only a single sample longer than seq_len cannot be placed
+(`require_sample_lengths`).
 
 Layout (`plan_micro_batches`): the rows are shaped to the samples, not to seq_len. Samples are
 taken longest first; a micro-batch's rows are as long as its first (longest) sample, rounded up
@@ -20,7 +25,8 @@ of micro_batch_size * seq_len tokens, each filled first-fit with the next sample
 So a micro-batch holds samples of similar lengths, the padding is small, and the attention cost,
 which grows with the square of the row length, follows the sum of the squared sample lengths
 rather than seq_len squared. `fixed_layout` is the layout of rows of seq_len in sample order
-(the one before); loss and gradients are the same with either (documents never attend across
+(the one before, grown by whole micro-batches when the samples need more rows than
+num_rows); loss and gradients are the same with either (documents never attend across
 each other, fnt.model.attention), up to the order of float sums.
 
 Per-token values, aligned with input_ids (the value at t belongs to token t):
@@ -129,26 +135,32 @@ def single_turn(
     )
 
 
-def first_fit(
-    lengths: Sequence[int], *, num_rows: int, seq_len: int
-) -> tuple[tuple[int, ...], ...]:
-    """Indices of the documents in each of num_rows rows, placed greedily first-fit in order."""
-    rows: list[list[int]] = [[] for _ in range(num_rows)]
-    room = [seq_len] * num_rows
-    for i, length in enumerate(lengths):
+def require_sample_lengths(lengths: Sequence[int], *, seq_len: int) -> None:
+    """ValueError for the first sample longer than a row of seq_len tokens: the one thing no
+    number of rows can hold."""
+    for length in lengths:
         if length > seq_len:
             raise ValueError(
                 f"a rollout sample (all its turns) has {length} tokens, more than "
                 f"seq_len = {seq_len}: raise seq_len or lower rollout.max_new_tokens"
             )
-        row = next((r for r in range(num_rows) if room[r] >= length), None)
+
+
+def first_fit(
+    lengths: Sequence[int], *, num_rows: int, seq_len: int
+) -> tuple[tuple[int, ...], ...]:
+    """Indices of the documents in each row, placed greedily first-fit in order into num_rows
+    rows of seq_len tokens, and into new rows after them when none of those has room (so at
+    least num_rows rows, more when the documents need them)."""
+    require_sample_lengths(lengths, seq_len=seq_len)
+    rows: list[list[int]] = [[] for _ in range(num_rows)]
+    room = [seq_len] * num_rows
+    for i, length in enumerate(lengths):
+        row = next((r for r in range(len(rows)) if room[r] >= length), None)
         if row is None:
-            raise ValueError(
-                f"{len(lengths)} rollout samples of {sum(lengths)} tokens do not fit in this "
-                f"rank's {num_rows} rows of seq_len = {seq_len}: raise batch_size (rows per step, "
-                f"all ranks) or seq_len, or lower rollout.prompts_per_step, group_size or "
-                f"max_new_tokens"
-            )
+            row = len(rows)
+            rows.append([])
+            room.append(seq_len)
         rows[row].append(i)
         room[row] -= length
     return tuple(tuple(row) for row in rows)
@@ -187,12 +199,14 @@ def micro_batch_count(lengths: Sequence[int], *, seq_len: int, micro_batch_size:
 def fixed_layout(
     lengths: Sequence[int], *, num_rows: int, seq_len: int, micro_batch_size: int
 ) -> tuple[MicroBatchPlan, ...]:
-    """num_rows rows of seq_len tokens, filled first-fit in sample order, in micro-batches of
-    micro_batch_size rows (the layout before `plan_micro_batches`)."""
+    """num_rows rows of seq_len tokens (more, by whole micro-batches, when the samples need
+    them), filled first-fit in sample order, in micro-batches of micro_batch_size rows (the
+    layout before `plan_micro_batches`)."""
     rows = first_fit(lengths, num_rows=num_rows, seq_len=seq_len)
+    rows += ((),) * (-len(rows) % micro_batch_size)
     return tuple(
         MicroBatchPlan(seq_len, rows[start : start + micro_batch_size])
-        for start in range(0, num_rows, micro_batch_size)
+        for start in range(0, len(rows), micro_batch_size)
     )
 
 
@@ -221,8 +235,8 @@ def pack_rollouts(
     fitted: bool = True,
 ) -> tuple[RLMicroBatch, ...]:
     """This rank's micro-batches: the fitted layout (or with `fitted=False` the fixed one), at
-    least num_micro_batches of them. The samples must fit num_rows rows of seq_len (`first_fit`).
-    """
+    least num_micro_batches of them, and more when the samples need more than num_rows rows
+    (module docstring: Capacity). Every sample must fit one row of seq_len."""
     if num_rows < 1 or micro_batch_size < 1 or num_rows % micro_batch_size:
         raise ValueError(
             f"{num_rows} rows per rank do not split into micro-batches of {micro_batch_size} rows"
@@ -232,7 +246,7 @@ def pack_rollouts(
     for sample in samples:
         sample.check()
     lengths = [s.length for s in samples]
-    first_fit(lengths, num_rows=num_rows, seq_len=seq_len)  # the capacity check
+    require_sample_lengths(lengths, seq_len=seq_len)
     if fitted:
         plans = plan_micro_batches(lengths, seq_len=seq_len, micro_batch_size=micro_batch_size)
     else:

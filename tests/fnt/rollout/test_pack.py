@@ -59,16 +59,12 @@ def test_packed_rollouts_keep_every_sample_and_its_per_token_values(
     settings_ = dict(
         num_rows=num_rows, seq_len=seq_len, micro_batch_size=mbs, temperature=0.7, pad_token_id=PAD
     )
-    try:
-        first_fit(lengths, num_rows=num_rows, seq_len=seq_len)
-    except ValueError:
-        with pytest.raises(ValueError, match="raise batch_size"):
-            pack_rollouts(samples, **settings_, fitted=fitted)
-        return
     layout = plan_micro_batches if fitted else partial(fixed_layout, num_rows=num_rows)
     plans = layout(lengths, seq_len=seq_len, micro_batch_size=mbs)
     batches = pack_rollouts(samples, **settings_, fitted=fitted)
-    assert len(batches) == len(plans) == (len(plans) if fitted else micro)
+    # The fixed layout has num_rows rows, or whole micro-batches more when the samples need them.
+    needed = len(first_fit(lengths, num_rows=num_rows, seq_len=seq_len))
+    assert len(batches) == len(plans) == (len(plans) if fitted else -(-needed // mbs))
     placement = [row for plan in plans for row in plan.rows]
     rows = [(mb, r) for mb in batches for r in range(mb.rows.input_ids.shape[0])]
     assert len(rows) == len(placement)
@@ -130,19 +126,18 @@ def test_fitted_rows_are_as_long_as_their_longest_sample_rounded_up(lengths, seq
 
 @given(lengths=st.lists(st.integers(1, 10), max_size=20), num_rows=st.integers(1, 6))
 def test_first_fit_puts_each_sample_into_the_first_row_with_room(lengths, num_rows):
-    try:
-        rows = first_fit(lengths, num_rows=num_rows, seq_len=10)
-    except ValueError:
-        rows = None
+    rows = first_fit(lengths, num_rows=num_rows, seq_len=10)
     room, expected = [10] * num_rows, [[] for _ in range(num_rows)]
     for i, length in enumerate(lengths):
-        fits = [r for r in range(num_rows) if room[r] >= length]
-        if not fits:
-            assert rows is None
-            return
+        fits = [r for r in range(len(room)) if room[r] >= length]
+        if not fits:  # a new row after the others
+            room.append(10)
+            expected.append([])
+            fits = [len(room) - 1]
         expected[fits[0]].append(i)
         room[fits[0]] -= length
     assert rows == tuple(map(tuple, expected))
+    assert len(rows) >= num_rows
 
 
 def sample_of(prompt_len: int, completion_len: int) -> RolloutSample:
@@ -162,18 +157,23 @@ def test_a_sample_longer_than_seq_len_says_to_raise_seq_len():
         )
 
 
-def test_samples_that_do_not_fit_the_rows_say_to_raise_batch_size():
-    with pytest.raises(
-        ValueError, match=r"3 rollout samples of 36 tokens do not fit .* 2 rows .*raise batch_size"
-    ):
-        pack_rollouts(
-            [sample_of(6, 6)] * 3,
-            num_rows=2,
-            seq_len=16,
-            micro_batch_size=1,
-            temperature=1.0,
-            pad_token_id=PAD,
-        )
+@pytest.mark.parametrize("fitted", [True, False])
+def test_samples_that_outgrow_the_rows_get_more_micro_batches(fitted):
+    # 3 samples of 12 tokens need 3 rows of 16; the rank has 2 rows of micro-batches of 1 row.
+    batches = pack_rollouts(
+        [sample_of(6, 6)] * 3,
+        num_rows=2,
+        seq_len=16,
+        micro_batch_size=1,
+        temperature=1.0,
+        pad_token_id=PAD,
+        fitted=fitted,
+    )
+    assert len(batches) == 3
+    for mb in batches:
+        mb.check()
+        assert mb.sample_lengths == ((12,),)
+        assert mb.rows.input_ids.numel() <= 16  # the token budget of one micro-batch
 
 
 @pytest.mark.parametrize("fitted", [True, False])
