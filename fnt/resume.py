@@ -169,6 +169,10 @@ RESUME_POLICY: dict[str, Policy] = {
     "loss.ref_kl_tau": MAY_CHANGE,
     "loss.ref_model": MAY_CHANGE,  # rebuilt from its directory at every start
     "loss.ref_source": MAY_CHANGE,
+    "loss.is_correction": MAY_CHANGE,  # as loss.kind: it shapes the updates to come
+    "loss.is_level": MAY_CHANGE,
+    "loss.is_cap": MAY_CHANGE,
+    "loss.is_bounds": MAY_CHANGE,
     "rollout.engine": FIXED,  # where the batches come from
     "rollout.prompts": FIXED,  # the data
     "rollout.prompts_per_step": FIXED,  # the batch
@@ -181,6 +185,8 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.max_turns": MAY_CHANGE,
     "rollout.max_episode_tokens": MAY_CHANGE,
     "rollout.on_truncated": MAY_CHANGE,
+    "rollout.tool_parser": MAY_CHANGE,  # like the environment: how turns are read
+    "rollout.reasoning_parser": MAY_CHANGE,
     "rollout.std_normalize": MAY_CHANGE,
     "rollout.timeout_s": MAY_CHANGE,
     "rollout.keep_weights": MAY_CHANGE,

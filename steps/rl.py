@@ -40,10 +40,19 @@ Metrics of a step (sums come back over micro-batches and ranks; fnt.update):
     masked/low_fraction   tokens masked where it went down, / N
     ref_kl/mean           the k3 estimate of KL(policy || reference), mean over the loss tokens
                           (only with the reference KL on)
+    loss/is_clipped_fraction  loss.is_correction = "tis": the units (loss tokens at
+                          loss.is_level "token", samples at "sequence") whose weight was truncated,
+                          / the units
+    loss/is_masked_fraction   "mis": the units whose ratio left loss.is_bounds (weight 0), / the
+                          units
+    loss/is_weight_mean   with a correction: the mean weight w over the units
     skipped/zero_advantage  1 when the step was skipped for all-zero advantages, else 0
 
-The two mismatch metrics appear only when N_q > 0. loss/mean, loss/nan_count and optim/* come
-from fnt.update; the batch's own metrics (reward/mean, ...) are appended there too.
+The two mismatch metrics appear only when N_q > 0; the loss/is_* ones whenever
+loss.is_correction is not "none" (the config says so, known on the host), which needs the
+sampler's logprobs: a step without them stops the run with a ConfigError. loss/mean,
+loss/nan_count and optim/* come from fnt.update; the batch's own metrics (reward/mean, ...) are
+appended there too.
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ from torch import Tensor, nn
 
 from fnt.batch import RLBatch, RLMicroBatch, host_array, row_layout, to_device
 from fnt.config import RLLossConfig
+from fnt.config.losses import IS_CORRECTIONS
 from fnt.distributed.runtime import Runtime
+from fnt.errors import ConfigError
 from fnt.model.lm_head import TokenLogprobs, loss_tokens_of
 from fnt.model.lm_head import at_loss_tokens as values_at_loss_tokens
 from fnt.model.lora import adapters_disabled
@@ -93,6 +104,10 @@ SUM_KEYS = (
     "mismatch_tokens",
     "ref_kl",
     "ref_kl_tokens",
+    "is_weight",
+    "is_clipped",
+    "is_masked",
+    "is_units",
 )
 
 
@@ -111,7 +126,17 @@ def policy_loss(
         "mismatch_tokens": zero,
         "ref_kl": zero,
         "ref_kl_tokens": zero,
+        "is_weight": zero,
+        "is_clipped": zero,
+        "is_masked": zero,
+        "is_units": zero,
     }
+    if terms.correction is not None:
+        units = terms.correction.unit_weight
+        sums["is_weight"] = units.sum().float()
+        sums["is_clipped"] = terms.correction.clipped.sum().float()
+        sums["is_masked"] = terms.correction.masked.sum().float()
+        sums["is_units"] = inputs.logp.new_tensor(float(units.numel()))
     count = inputs.logp.new_tensor(float(inputs.logp.numel()))
     if inputs.inference_logprobs is not None:
         log_ratio = (inputs.logp - inputs.inference_logprobs).detach().double()
@@ -217,11 +242,13 @@ def rl_metrics(
     totals: StepTotals,
     with_inference: Optional[bool] = None,
     with_reference: Optional[bool] = None,
+    is_correction: str = "none",
 ) -> dict[str, Tensor]:
     """The step's RL metrics from the global sums (see the module docstring). The mismatch
     metrics are there when `with_inference` (the loss tokens have the sampler's logprobs) and
     ref_kl/mean when `with_reference`; a flag not given is read from the sums' token counts,
-    which costs a read back from the device."""
+    which costs a read back from the device. loss/is_* are there for an `is_correction`
+    (loss.is_correction) other than "none"."""
     nan = torch.tensor(float("nan"))
     # A step whose every micro-batch was non-finite has no sums; its row says NaN, not 0.
     sums = {key: totals.sums.get(key, nan) for key in SUM_KEYS}
@@ -243,6 +270,10 @@ def rl_metrics(
         metrics["kl_ent_ratio/mean"] = mismatch_kl / entropy
     if with_reference:
         metrics["ref_kl/mean"] = sums["ref_kl"] / sums["ref_kl_tokens"]
+    counts = IS_CORRECTIONS[is_correction].counts
+    if counts:
+        metrics[f"loss/is_{counts}_fraction"] = sums[f"is_{counts}"] / sums["is_units"]
+        metrics["loss/is_weight_mean"] = sums["is_weight"] / sums["is_units"]
     return metrics
 
 
@@ -280,6 +311,12 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
     config, runtime = state.config.loss, state.handles.runtime
     counts, zero_advantages = counts_and_zero_advantage(batch, runtime)
     with_inference = any(mb.inference_logprobs is not None for mb in batch.micro_batches)
+    if config.is_correction != "none" and not with_inference:
+        raise ConfigError(
+            f"'loss.is_correction' = {config.is_correction!r}: weighs each token by the "
+            f"sampler's probability, but step {state.progress.step + 1}'s samples have no "
+            "inference logprobs (external rollouts: give every sample 'inference_logprobs')"
+        )
     skip = zero_advantages and zero_without_advantages(config, with_inference)
     if skip:
         totals = skipped_totals(counts, per_sample(aggregation_of(config)))
@@ -302,9 +339,9 @@ def rl_step(state: TrainState, batch: RLBatch) -> tuple[TrainState, dict]:
         or any(mb.ref_logprobs is not None for mb in batch.micro_batches)
     )
     metrics = {
-        **rl_metrics(totals, trained and with_inference, trained and with_reference),
+        **rl_metrics(
+            totals, trained and with_inference, trained and with_reference, config.is_correction
+        ),
         "skipped/zero_advantage": 1.0 if skip else 0.0,
     }
-    return complete_step_(
-        state, batch, totals, metrics, timer.stop_(), skip_update=skip
-    )
+    return complete_step_(state, batch, totals, metrics, timer.stop_(), skip_update=skip)

@@ -52,6 +52,51 @@ which is not unbiased, and it overflows for a token the policy has made very unl
 metric ref_kl/mean is the mean of k3 over the loss tokens, an unbiased, non-negative estimate
 of that KL itself, in float64 and without gradient.
 
+Importance-sampling correction (`loss.is_correction`, at `loss.is_level`). In the kinds above
+the ratio r_t = pi / q weighs the policy-gradient term against the sampler q directly: fnt makes
+one update per batch, so the trainer's "old" policy pi_old of a PPO-style trainer (the policy
+before this update) is the current one in value, sg(pi), and r_t factors into a part that
+carries the gradient, pi / sg(pi) (1 in value), and the importance weight
+rho_t = sg(pi) / q = pi_old / q that corrects for the sampler (an engine's numerics, an async or
+stale policy). A correction replaces that weight by w, a constant of the gradient:
+
+    l_t = -(1 - masked_t) A_t w_t exp(log r_t - sg(log r_t))  + kl_tau (log r_t)^2
+        (gspo: exp(log s_i - sg(log s_i)) in place of the token's factor)
+
+so the policy-gradient term of a kept token is -A_t w_t d logp_t instead of -A_t r_t d logp_t
+(gspo: -A_i w_t d mean logp, w in place of the value of s_i, which is how TRL composes its
+sequence-level ratio with its vLLM correction); the kind's masks (decided on r_t or s_i against
+the sampler, as without a correction), the kl_tau penalty and the reference KL term with its
+weight r_t are unchanged. This is verl's "bypass" mode with its policy-gradient loss and
+rollout correction (the sampler as the proximal policy), with fnt's masks as the trust region.
+With log rho_t = sg(logp_t) - q_t:
+
+    is_level   the ratio rho it weighs with
+    token      rho_t = exp(log rho_t), each token its own
+    sequence   rho_i = exp(sum over the sample's loss tokens of log rho_t), the product of
+               its token ratios (the likelihood ratio of the whole sample, as verl and TRL
+               define their sequence modes; not GSPO's geometric mean), on each of its tokens
+
+    is_correction  w                                      counted in
+    none           rho (today's loss, computed as before)  -
+    tis            min(rho, is_cap)                         loss/is_clipped_fraction: rho > is_cap
+    mis            rho if low <= rho <= high, else 0        loss/is_masked_fraction: outside
+                   ([low, high] = is_bounds)
+
+`tis` is truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly
+Brings You Off-Policy RL Training", fengyao.notion.site/off-policy-rl, C = 2; verl's rollout_is
+"token" / "sequence" with rollout_is_threshold; TRL's vllm_importance_sampling_mode
+token_truncate / sequence_truncate with vllm_importance_sampling_clip_max). `mis` is masked
+importance sampling: a token (or a whole sample) whose ratio leaves the bounds gets no
+policy-gradient term, the others keep their full ratio (TRL's token_mask / sequence_mask;
+verl's sequence IS with sequence rejection, Liu, Li et al. 2025, "When Speed Kills
+Stability"); at the token level it is IcePop (Ring-1T, "Every Step Evolves", 2025: M(k) = k for
+k in [alpha, beta], else 0, with alpha = 0.5 and beta = 5). Both keep the estimator's direction
+and bound its variance: tis by biasing the rare large weights down, mis by dropping them. A
+sample is a trained sequence as packed (an episode split into branches is one per branch), so
+its tokens are in one micro-batch. Counts are of tokens at the token level and of samples at
+the sequence level; loss/is_weight_mean is the mean w over the same units.
+
 Aggregation (`loss.aggregation`), with N the step's global number of loss tokens, S its global
 number of samples (all micro-batches, all ranks; fnt.update divides) and L =
 rollout.max_new_tokens:
@@ -73,12 +118,15 @@ A custom loss (`loss.kind = "custom"`, `loss.custom = "module:function"`) is a f
 
 returning l_t [N] float32 (differentiable through inputs.logp only), or a TokenLoss with its
 masks for the masked/* metrics (a bare Tensor reports none masked). The aggregation and the
-reference KL term apply to it as to the built-in kinds.
+reference KL term apply to it as to the built-in kinds; loss.is_correction does not (the
+config refuses the pair): a custom loss that wants the weights calls `is_weights` itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -101,6 +149,9 @@ class LossInputs:
     advantages: Tensor  # [N] float32, the token's sample's advantage
     sample_ids: Tensor  # [N] int64 in [0, num_samples): the token's sample in this micro-batch
     num_samples: int  # samples (documents) of this micro-batch that have loss tokens
+    # [N] float32 without gradient: loss.is_correction's weight w_t, which replaces the value
+    # of the importance ratio in the policy-gradient term; None without a correction
+    is_weight: Optional[Tensor] = None
 
     def log_ratio(self) -> Tensor:
         """log r_t [N]: logp - q, or logp - sg(logp) (0 in value) without inference logprobs."""
@@ -122,12 +173,24 @@ class LossInputs:
 
 
 @dataclass(frozen=True)
+class ISWeights:
+    """loss.is_correction's weights for one micro-batch (module docstring), without gradient.
+    A unit is a loss token at is_level "token", a sample at "sequence"."""
+
+    token_weight: Tensor  # [N] float32, w_t: the weight of the token, or of its sample
+    unit_weight: Tensor  # [U] float32, w of each unit
+    clipped: Tensor  # [U] bool, units whose ratio tis truncated (rho > is_cap)
+    masked: Tensor  # [U] bool, units whose ratio mis found outside is_bounds (w = 0)
+
+
+@dataclass(frozen=True)
 class TokenLoss:
     """What a loss kind returns: the per-token loss and the tokens it masked."""
 
     loss: Tensor  # [N] float32, l_t
     masked_high: Tensor  # [N] bool, masked where the probability went up (r > 1, dp > 0)
     masked_low: Tensor  # [N] bool, masked where it went down (r < 1, dp < 0)
+    correction: Optional[ISWeights] = None  # token_loss sets it with loss.is_correction on
 
 
 def kept_ratio(log_ratio: Tensor, keep: Tensor) -> Tensor:
@@ -140,9 +203,14 @@ def masked_policy_loss(
     inputs: LossInputs, log_ratio: Tensor, masked_high: Tensor, masked_low: Tensor, kl_tau: float
 ) -> TokenLoss:
     """-(1 - masked) A r + kl_tau (log r_t)^2 per token, with r = exp(log_ratio) (token-level, or
-    a sample's ratio spread over its tokens), computed only where kept."""
+    a sample's ratio spread over its tokens), computed only where kept. With inputs.is_weight,
+    r is w exp(log_ratio - sg(log_ratio)): w in value, the ratio's gradient (module
+    docstring)."""
     keep = ~(masked_high | masked_low)
-    ratio = kept_ratio(log_ratio, keep)
+    if inputs.is_weight is None:
+        ratio = kept_ratio(log_ratio, keep)
+    else:
+        ratio = kept_ratio(log_ratio - log_ratio.detach(), keep) * inputs.is_weight
     policy = torch.where(keep, -inputs.advantages * ratio, torch.zeros_like(ratio))
     loss = policy + kl_tau * inputs.log_ratio().square() if kl_tau else policy
     return TokenLoss(loss, masked_high, masked_low)
@@ -230,8 +298,50 @@ def loss_kind_function(config: RLLossConfig) -> LossKindFn:
     return LOSS_KINDS[config.kind]
 
 
+def is_weights(inputs: LossInputs, config: RLLossConfig) -> ISWeights:
+    """loss.is_correction's weights at loss.is_level (module docstring), from the sampler's
+    logprobs; the log ratios are summed and compared in float64 and in log space, so a long
+    sample's product neither loses precision nor overflows. ValueError without the sampler's
+    logprobs or for the correction "none", which has no weights."""
+    if config.is_correction == "none":
+        raise ValueError('loss.is_correction = "none" has no weights')
+    if inputs.inference_logprobs is None:
+        raise ValueError(
+            f"loss.is_correction = {config.is_correction!r} needs the sampler's logprobs, but "
+            "the micro-batch has no inference logprobs"
+        )
+    log_rho = inputs.logp.detach().double() - inputs.inference_logprobs.double()
+    if config.is_level == "sequence":
+        zeros = log_rho.new_zeros(inputs.num_samples)
+        log_rho = zeros.index_add(0, inputs.sample_ids, log_rho)
+    never = torch.zeros_like(log_rho, dtype=torch.bool)
+    if config.is_correction == "tis":
+        log_cap = math.log(config.is_cap)
+        clipped, masked = log_rho > log_cap, never
+        weight = log_rho.clamp_max(log_cap).exp()
+    elif config.is_correction == "mis":
+        low, high = config.is_bounds
+        log_low = math.log(low) if low > 0 else -math.inf
+        inside = (log_rho >= log_low) & (log_rho <= math.log(high))
+        clipped, masked = never, ~inside
+        # exp only of the kept log ratios: an outside one may overflow, and needs no value.
+        kept = torch.where(inside, log_rho, torch.zeros_like(log_rho)).exp()
+        weight = torch.where(inside, kept, torch.zeros_like(kept))
+    else:
+        raise ValueError(f"unknown loss.is_correction {config.is_correction!r}")
+    weight = weight.to(inputs.logp.dtype)
+    token_weight = weight[inputs.sample_ids] if config.is_level == "sequence" else weight
+    return ISWeights(token_weight, weight, clipped, masked)
+
+
 def token_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
-    """The selected kind's TokenLoss, plus ref_kl_tau * k2_t when the reference KL is on."""
+    """The selected kind's TokenLoss, plus ref_kl_tau * k2_t when the reference KL is on; with
+    loss.is_correction, the kind weighs its policy-gradient term by `is_weights` (module
+    docstring) and the TokenLoss carries them."""
+    correction = None
+    if config.is_correction != "none":
+        correction = is_weights(inputs, config)
+        inputs = dataclasses.replace(inputs, is_weight=correction.token_weight)
     out = loss_kind_function(config)(inputs, config)
     if isinstance(out, Tensor):
         none = torch.zeros_like(inputs.logp, dtype=torch.bool)
@@ -249,6 +359,8 @@ def token_loss(inputs: LossInputs, config: RLLossConfig) -> TokenLoss:
         weight = kept_ratio(inputs.log_ratio().detach(), keep)
         kl = weight * ref_kl_k2(inputs.logp, inputs.ref_logprobs)
         out = TokenLoss(out.loss + config.ref_kl_tau * kl, out.masked_high, out.masked_low)
+    if correction is not None:
+        out = dataclasses.replace(out, correction=correction)
     return out
 
 

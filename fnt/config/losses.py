@@ -3,6 +3,9 @@
 torch. Pure, except that `check_rl_loss` and `check_preference_loss` resolve a custom loss's
 "module:function" (importing its module).
 
+The importance-sampling corrections between the sampler and the trainer (`loss.is_correction`,
+`loss.is_level`) have their table here too; their weights are `steps.rl_losses.is_weights`.
+
 The functions live in the steps package: `steps.rl_losses.LOSS_KINDS` and
 `steps.dpo_losses.LOSSES` map the built-in names to them (a custom kind's function is the one
 its config key names), and tests/steps/test_loss_tables.py holds those tables and their
@@ -69,6 +72,42 @@ RL_LOSSES: dict[str, RLLoss] = {
 
 RL_LOSS_KEYS: tuple[str, ...] = ("kl_tau", "ref_kl_tau")
 """The loss section's numbers every kind shares, each a finite number >= 0."""
+
+
+@dataclass(frozen=True)
+class ISCorrection:
+    """What fnt knows of an importance-sampling correction (`loss.is_correction`) before torch
+    is imported (steps/rl_losses.py has the formulas)."""
+
+    summary: str
+    """One line for the docs: the weight and where it comes from."""
+    keys: tuple[str, ...] = ()
+    """Its own settings in the loss section."""
+    counts: str = ""
+    """What its metric loss/is_{counts}_fraction counts: "clipped" (weights truncated),
+    "masked" (weights set to 0), or "" (it changes no weight: no metrics)."""
+
+
+IS_CORRECTIONS: dict[str, ISCorrection] = {
+    "none": ISCorrection(summary="no correction: each kind's importance ratio as it is"),
+    "tis": ISCorrection(
+        summary="truncated IS: w = min(rho, is_cap) (Yao et al. 2025; verl, TRL *_truncate)",
+        keys=("is_cap",),
+        counts="clipped",
+    ),
+    "mis": ISCorrection(
+        summary="masked IS: w = rho inside is_bounds, else 0 (token level: IcePop; TRL *_mask)",
+        keys=("is_bounds",),
+        counts="masked",
+    ),
+}
+"""The importance-sampling corrections by the name loss.is_correction takes."""
+
+IS_LEVELS: dict[str, str] = {
+    "token": "rho_t = pi_old(token) / pi_sampler(token), one weight per token",
+    "sequence": "rho_i = the product of the sample's token ratios, one weight per sample",
+}
+"""The levels by the name loss.is_level takes, and the ratio each corrects with."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +215,7 @@ def check_rl_loss(loss: RLLossConfig) -> None:
     for key in numbers:
         value = getattr(loss, key)
         require(math.isfinite(value) and value >= 0, key, "must be a finite number >= 0")
+    check_is_correction(loss)
     if rl_loss(loss.kind).custom:
         require(
             bool(loss.custom), "custom", f'loss.kind = "{loss.kind}" needs "module:function" here'
@@ -188,6 +228,36 @@ def check_rl_loss(loss: RLLossConfig) -> None:
         require(
             not loss.custom, "custom", f"is set but loss.kind = {loss.kind!r}: set kind = {custom}"
         )
+
+
+def check_is_correction(loss: RLLossConfig) -> None:
+    """ConfigError unless loss.is_correction and its settings can run. Pure."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'loss.{key}' = {getattr(loss, key)!r}: {message}")
+
+    entry_of(IS_CORRECTIONS, loss.is_correction, "loss.is_correction", "a correction")
+    entry_of(IS_LEVELS, loss.is_level, "loss.is_level", "a level")
+    require(
+        math.isfinite(loss.is_cap) and loss.is_cap >= 1,
+        "is_cap",
+        "must be a finite number >= 1 (a cap below 1 would shrink the weight of a token the "
+        "sampler and the trainer agree on, whose ratio is 1)",
+    )
+    low, high = loss.is_bounds
+    require(
+        0 <= low <= 1 <= high and math.isfinite(high) and low < high,
+        "is_bounds",
+        "must be [low, high] with 0 <= low <= 1 <= high, high finite (a ratio of 1, where "
+        "the sampler and the trainer agree, must be kept)",
+    )
+    require(
+        loss.is_correction == "none" or not rl_loss(loss.kind).custom,
+        "is_correction",
+        f'applies to the built-in loss kinds, not loss.kind = "{loss.kind}": a custom loss '
+        "weighs its tokens itself (steps.rl_losses.is_weights computes these weights)",
+    )
 
 
 def check_preference_loss(dpo: PreferenceConfig) -> None:

@@ -25,7 +25,13 @@ from typing import Any, Literal, Union, get_args
 from dataclasses_json import dataclass_json
 
 from fnt.config.engines import ENGINES
-from fnt.config.losses import AGGREGATIONS, PREFERENCE_LOSSES, RL_LOSSES
+from fnt.config.losses import (
+    AGGREGATIONS,
+    IS_CORRECTIONS,
+    IS_LEVELS,
+    PREFERENCE_LOSSES,
+    RL_LOSSES,
+)
 
 DtypeName = Literal["float32", "bfloat16"]
 """The dtypes a model's parameters or compute can have (fnt.model.loading.DTYPES maps them to
@@ -322,6 +328,10 @@ RLLossKind = Literal[tuple(RL_LOSSES)]
 """The names of the RL loss kinds (fnt.config.losses.RL_LOSSES)."""
 AggregationName = Literal[tuple(AGGREGATIONS)]
 """The names of the loss aggregations (fnt.config.losses.AGGREGATIONS)."""
+ISCorrectionName = Literal[tuple(IS_CORRECTIONS)]
+"""The names of the importance-sampling corrections (fnt.config.losses.IS_CORRECTIONS)."""
+ISLevelName = Literal[tuple(IS_LEVELS)]
+"""The levels an importance-sampling correction weighs at (fnt.config.losses.IS_LEVELS)."""
 
 
 @dataclass_json
@@ -357,6 +367,14 @@ class RLLossConfig:
     """Reference logprobs from the model ref_model (model), or external samples' ref_logprobs."""
     ref_model: str = ""
     """Directory of the reference policy (ref_source = "model"); empty means model.name."""
+    is_correction: ISCorrectionName = "none"
+    """Sampler/trainer importance weight: none, tis (truncated), mis (masked; token: IcePop)."""
+    is_level: ISLevelName = "token"
+    """is_correction's ratio: per token, or per sample (the product of its token ratios)."""
+    is_cap: float = 2.0
+    """tis: the weight is min(ratio, is_cap) (Yao et al. 2025 use 2)."""
+    is_bounds: tuple[float, float] = (0.5, 5.0)
+    """mis: ratios outside [low, high] get weight 0 (IcePop's 0.5 and 5)."""
 
 
 @dataclass_json

@@ -14,6 +14,8 @@ import torch
 from fnt.config import ConfigError, PreferenceConfig, RLLossConfig, field_types
 from fnt.config.losses import (
     AGGREGATIONS,
+    IS_CORRECTIONS,
+    IS_LEVELS,
     PREFERENCE_LOSSES,
     RL_LOSS_KEYS,
     RL_LOSSES,
@@ -60,11 +62,31 @@ def test_a_name_outside_the_tables_is_named_with_the_ones_there_are():
         preference_loss("simp")
 
 
-def test_every_number_of_the_loss_section_is_one_kinds_or_shared():
+def test_every_number_of_the_loss_section_is_one_kinds_one_corrections_or_shared():
     types = field_types(RLLossConfig)
     numbers = [key for key, tp in types.items() if tp is float]
     keys = [key for kind in RL_LOSSES.values() for key in kind.keys] + list(RL_LOSS_KEYS)
+    keys += [key for entry in IS_CORRECTIONS.values() for key in entry.keys if key in numbers]
     assert sorted(keys) == sorted(numbers) and len(set(keys)) == len(keys)
+
+
+def test_the_config_offers_the_corrections_and_each_ones_settings_are_its_own():
+    types = field_types(RLLossConfig)
+    assert types["is_correction"].__args__ == tuple(IS_CORRECTIONS)
+    assert types["is_level"].__args__ == tuple(IS_LEVELS)
+    own = [key for entry in IS_CORRECTIONS.values() for key in entry.keys]
+    assert len(set(own)) == len(own) and all(key in types for key in own)
+    # Each correction's settings change its weights, and no other correction's.
+    inputs = loss_inputs(4)
+    moved = {"is_cap": 1.01, "is_bounds": (0.9, 1.1)}
+    for name, entry in IS_CORRECTIONS.items():
+        for level in IS_LEVELS:
+            config = RLLossConfig(kind="ratio", kl_tau=0.0, is_correction=name, is_level=level)
+            base = token_loss(inputs, config).loss.detach()
+            for key, value in moved.items():
+                changed = token_loss(inputs, dataclasses.replace(config, **{key: value}))
+                assert torch.equal(base, changed.loss.detach()) == (key not in entry.keys)
+            assert (token_loss(inputs, config).correction is None) == (not entry.counts)
 
 
 def loss_inputs(seed: int, advantages=None) -> LossInputs:
