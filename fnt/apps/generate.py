@@ -6,17 +6,21 @@ DIR is a checkpoint (RUN/checkpoints/step_N, LoRA ones included: loaded as `fnt 
 them, fnt.apps.export.load_trained_model) or a Hugging Face model directory. The prompts are
 rollout.prompts' records (`{"prompt": ...}` or `{"messages": [...]}`, fnt.rollout.prompts); a
 --prompt TEXT is one user message. Answers are greedy by default, through the function
-validation generates with (fnt.evaluation.greedy_answers), so they are the answers `val.prompts`
-scores; with --temperature > 0, --n sampled answers per prompt, each prompt drawing from a
-generator seeded by (--seed, its index) (fnt.rollout.sampling). Generation stops at the
-model's end-of-turn tokens or after --max-new-tokens.
+validation generates with (fnt.evaluation.greedy_answers), so they are the
+answers `val.prompts` scores; with --temperature > 0, --n sampled answers per prompt, each
+prompt drawing from a generator seeded by (--seed, its index) (fnt.rollout.sampling).
+Generation stops at the model's end-of-turn tokens or after --max-new-tokens. A prompt that
+leaves no room for --max-new-tokens in the model's context (max_position_embeddings) is an error
+naming it, before the weights load; with --truncate-prompts it is cut from the left instead, one
+line on stderr saying so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,6 +53,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--json", action="store_true", help="one JSON object per answer instead of text"
     )
+    parser.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="cut a prompt that leaves no room for --max-new-tokens in the model's context "
+        "(max_position_embeddings) from the left, saying so on stderr; without it such a "
+        "prompt is an error",
+    )
     return parser.parse_args(argv)
 
 
@@ -65,8 +76,16 @@ def main(argv: list[str]) -> None:
     if args.temperature == 0 and args.n > 1:
         raise ConfigError(f"--n {args.n} needs --temperature > 0: greedy answers are all alike")
     kind = check_generate(args.checkpoint, args.prompts)
-    model, tokenizer, stops = load_generator(args.checkpoint, kind)
-    prompts = read_prompts(tokenizer, args.prompts, args.prompt)
+    # The prompts are rendered and measured against the model's context before its weights load.
+    base, tokenizer, stops = load_tokenizer_of(args.checkpoint, kind)
+    prompts = fit_context(
+        read_prompts(tokenizer, args.prompts, args.prompt),
+        context_of(base),
+        args.max_new_tokens,
+        truncate=args.truncate_prompts,
+        where=prompt_place(args.prompts),
+    )
+    model = load_generator(args.checkpoint, kind)
     answers = answer(
         model,
         prompts,
@@ -81,26 +100,99 @@ def main(argv: list[str]) -> None:
             print(answer_text(prompt, index, completion, tokenizer, args.json), flush=True)
 
 
-def load_generator(path: Path, kind: str) -> tuple[Any, Any, frozenset[int]]:
-    """The model in eval mode (float32; on the GPU when there is one), its tokenizer and stop
-    tokens, from a checkpoint (`kind` "checkpoint": its base model's tokenizer) or a model
-    directory ("model")."""
+def load_tokenizer_of(path: Path, kind: str) -> tuple[str, Any, frozenset[int]]:
+    """The model directory whose tokenizer and config a checkpoint (`kind` "checkpoint": its
+    base model) or model directory ("model") at `path` uses, that tokenizer and its stop
+    tokens."""
+    from fnt.apps.export import check_base
+    from fnt.model.tokenizer import load_tokenizer, stop_token_ids
+
+    base = check_base(path) if kind == "checkpoint" else str(path)
+    tokenizer = load_tokenizer(base)
+    return base, tokenizer, stop_token_ids(tokenizer, base)
+
+
+def load_generator(path: Path, kind: str) -> Any:
+    """The model in eval mode (float32; on the GPU when there is one), from a checkpoint
+    (`kind` "checkpoint") or a model directory ("model")."""
     import torch
 
-    from fnt.apps.export import check_base, load_trained_model
+    from fnt.apps.export import load_trained_model
     from fnt.config import ModelConfig
     from fnt.model.loading import load_hf_model
-    from fnt.model.tokenizer import load_tokenizer, stop_token_ids
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "checkpoint":
-        base = check_base(path)
-        model = load_trained_model(path).to(device)
-    else:
-        base = str(path)
-        model = load_hf_model(ModelConfig(name=base, dtype="float32"), device).eval()
-    tokenizer = load_tokenizer(base)
-    return model, tokenizer, stop_token_ids(tokenizer, base)
+        return load_trained_model(path).to(device)
+    return load_hf_model(ModelConfig(name=str(path), dtype="float32"), device).eval()
+
+
+def context_of(model_dir: str) -> Optional[int]:
+    """The positions the model at `model_dir` has (config.json's max_position_embeddings, or a
+    text config's inside it), or None when it names none."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        positions = section.get("max_position_embeddings")
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return None
+
+
+def prompt_place(path: Optional[str]) -> Callable[[Any], str]:
+    """How a message names a prompt: `--prompts FILE, line N` or `--prompt number N`."""
+    if path is not None:
+        return lambda prompt: f"--prompts {path!r}, line {prompt.line}"
+    return lambda prompt: f"--prompt number {prompt.line}"
+
+
+def fit_context(
+    prompts: list,
+    context: Optional[int],
+    max_new_tokens: int,
+    *,
+    truncate: bool,
+    where: Callable[[Any], str],
+) -> list:
+    """`prompts` with room for `max_new_tokens` in the model's `context` positions: a prompt
+    longer than `context - max_new_tokens` tokens is a DataError naming it (`where`) and the
+    lengths, or with `truncate` keeps its last tokens, one line on stderr saying so. A model
+    that names no context is not checked.
+
+    Without this, transformers generates past the positions the model was trained on, with a
+    warning, and the answer is nonsense."""
+    import dataclasses
+
+    from fnt.errors import ConfigError, DataError
+
+    if context is None:
+        return prompts
+    room = context - max_new_tokens
+    if room < 1:
+        raise ConfigError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+            f"{context} positions (max_position_embeddings): lower it"
+        )
+    fitted = []
+    for prompt in prompts:
+        length = len(prompt.token_ids)
+        if length > room:
+            if not truncate:
+                raise DataError(
+                    f"{where(prompt)}: the prompt is {length} tokens, and with --max-new-tokens "
+                    f"{max_new_tokens} that is {length + max_new_tokens} positions, more than the "
+                    f"model's {context} (max_position_embeddings): shorten it, lower "
+                    f"--max-new-tokens, or pass --truncate-prompts (keeps its last {room} tokens)"
+                )
+            print(
+                f"note: {where(prompt)}: the prompt is {length} tokens; its first "
+                f"{length - room} were cut (--truncate-prompts), leaving room for "
+                f"--max-new-tokens {max_new_tokens} in the model's {context} positions",
+                file=sys.stderr,
+                flush=True,
+            )
+            prompt = dataclasses.replace(prompt, token_ids=prompt.token_ids[length - room :])
+        fitted.append(prompt)
+    return fitted
 
 
 def read_prompts(tokenizer: Any, path: Optional[str], texts: Optional[Sequence[str]]) -> list:
@@ -133,8 +225,8 @@ def answer(
     n: int,
     seed: int,
 ) -> list[list[Any]]:
-    """Per prompt, its answers as fnt.rollout.sampling.Completion: the greedy one
-    (temperature 0, validation's fnt.evaluation.greedy_answers), else `n` sampled ones."""
+    """Per prompt, its answers as fnt.rollout.sampling.Completion: the greedy one (temperature
+    0, validation's fnt.evaluation.greedy_answers), else `n` sampled ones."""
     import torch
 
     from fnt.evaluation import greedy_answers

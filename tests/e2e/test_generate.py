@@ -24,8 +24,8 @@ def generated(*args: str) -> list[dict]:
 
 
 def evaluation_answers(model_dir, max_new_tokens: int) -> list[str]:
-    """The greedy answers validation gives (fnt.evaluation.greedy_answers) with the model and
-    tokenizer of a Hugging Face directory loaded by transformers itself."""
+    """The greedy answers validation gives (fnt.evaluation.greedy_answers) with the
+    model and tokenizer of a Hugging Face directory loaded by transformers itself."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = load_prompts(PROMPTS, tokenizer)
@@ -65,3 +65,32 @@ def test_sampled_answers_are_n_per_prompt_and_follow_the_seed(tiny_model_dir):
     assert len({a["answer"] for a in first}) > 1
     (greedy,) = generated(*args[:4], "--max-new-tokens", "5")
     assert greedy["prompt"] == [{"role": "user", "content": "hi"}] and greedy["tokens"] <= 5
+
+
+def test_a_prompt_longer_than_the_context_is_refused_or_cut_from_the_left(tiny_model_dir, tmp_path):
+    # The tiny model has 1024 positions and one token per byte (issue 45.5).
+    long = "x" * 1100
+    proc = run_cli("generate", "--checkpoint", str(tiny_model_dir), "--prompt", "hi",
+                   "--prompt", long, check=False)  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --prompt number 2: the prompt is 11"), lines[0]
+    assert "more than the model's 1024 (max_position_embeddings)" in lines[0]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+    args = ("--checkpoint", str(tiny_model_dir), "--prompts", str(prompts), "--max-new-tokens", "4")
+    proc = run_cli("generate", *args, check=False)
+    assert proc.returncode == 2 and f"error: --prompts '{prompts}', line 2: the" in proc.stderr
+    # Room for the answer counts: a prompt of about 900 tokens fits 4 new ones, not 200.
+    fits = ("--checkpoint", str(tiny_model_dir), "--prompt", "x" * 900, "--max-new-tokens")
+    assert run_cli("generate", *fits, "4").returncode == 0
+    assert (
+        "error: --prompt number 1: the prompt is 9"
+        in run_cli("generate", *fits, "200", check=False).stderr
+    )
+    proc = run_cli("generate", *args, "--truncate-prompts", "--json")
+    (note,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert note.startswith(f"note: --prompts '{prompts}', line 2: the prompt is 11")
+    assert "(--truncate-prompts)" in note and "in the model's 1024 positions" in note
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [a["line"] for a in answers] == [1, 2] and all(a["tokens"] <= 4 for a in answers)
