@@ -33,6 +33,10 @@ PACKING_NOTE = (
     "row never attend to each other; there is nothing to switch"
 )
 LORA_NOTE = "LoRA is on when model.lora.rank > 0"
+IS_NOTE = (
+    "TRL's token_truncate and sequence_truncate are tis, token_mask and sequence_mask are mis, "
+    "at loss.is_level token or sequence"
+)
 
 # The name a user wrote (the last part of the key): fnt's key, or keys where the name means
 # different things to different trainers (the first one the command has is named).
@@ -132,6 +136,16 @@ ALIASES: dict[str, Union[Alias, tuple[Alias, ...]]] = {
     "use_vllm": Alias("rollout.engine", "fnt vllm-serve starts the servers", value="vllm"),
     "vllm_server_host": Alias("rollout.vllm.urls"),
     "vllm_gpu_memory_utilization": Alias("rollout.vllm.gpu_memory_utilization"),
+    "vllm_importance_sampling_correction": Alias("loss.is_correction", IS_NOTE),
+    "vllm_importance_sampling_mode": Alias("loss.is_correction", IS_NOTE),
+    "vllm_importance_sampling_clip_max": Alias(
+        "loss.is_cap", "tis's cap; mis's upper bound is in loss.is_bounds = [low, high]"
+    ),
+    "vllm_importance_sampling_clip_min": Alias("loss.is_bounds", "mis: [low, high]"),
+    "rollout_is": Alias(
+        "loss.is_level", 'verl\'s truncated weights are loss.is_correction = "tis"'
+    ),
+    "rollout_is_threshold": Alias("loss.is_cap"),
 }
 
 # Names TRL and transformers have and fnt does not: the sentence each is answered with, naming

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from fnt.config import ConfigError, RLConfig, RLLossConfig, RolloutConfig, validate
+from fnt.config import ConfigError, RLConfig, RLLossConfig, RolloutConfig, load_config, validate
 from fnt.config.losses import IS_CORRECTIONS, IS_LEVELS
 from steps.rl import SUM_KEYS, rl_metrics, rl_step
 from steps.rl_losses import LossInputs, is_weights, token_loss
@@ -354,3 +354,16 @@ def test_the_metrics_divide_by_the_units():
     assert float(mis["loss/is_masked_fraction"]) == pytest.approx(0.5)
     skipped = rl_metrics(formulas.totals_of({}, loss_tokens=10.0), False, False, "mis")
     assert math.isnan(float(skipped["loss/is_masked_fraction"]))
+
+
+@pytest.mark.parametrize(
+    ("typed", "key"),
+    [
+        ("vllm_importance_sampling_mode", "loss.is_correction"),
+        ("vllm_importance_sampling_clip_max", "loss.is_cap"),
+        ("rollout_is_threshold", "loss.is_cap"),
+    ],
+)
+def test_trl_and_verl_names_are_answered_with_the_keys(typed, key):
+    with pytest.raises(ConfigError, match=rf"unknown key '{typed}'.*did you mean '{key}'"):
+        load_config([f"--{typed}=2"], RLConfig)
