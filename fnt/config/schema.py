@@ -286,7 +286,7 @@ class Config:
     max_epochs: float = 0.0
     """SFT, DPO: passes over the data to run instead of max_steps (resolved to steps); 0: off."""
     batch_size: int = 8
-    """Rows of seq_len tokens per optimizer step, over all data-parallel ranks."""
+    """Rows of seq_len tokens per step, all ranks (RL: its episodes take the rows they need)."""
     micro_batch_size: int = 4
     """Rows per forward/backward pass on one rank."""
     seq_len: int = 128
