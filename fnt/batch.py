@@ -181,12 +181,15 @@ class RLMicroBatch:
     sample_lengths: tuple[tuple[int, ...], ...]  # per row, the token count of each document
     # [B, T] float32, log p_reference(token t) at its temperature, or None (loss.ref_kl_tau)
     ref_logprobs: Optional[Tensor] = None
+    # [B, T] float32 in (0, 1], the nucleus (top-p) token t was sampled from, or None: 1, the
+    # full vocabulary (fnt.model.lm_head: the trainer's logprobs then use the same nucleus)
+    top_ps: Optional[Tensor] = None
 
     def check(self) -> None:
         self.rows.check()
         shape = self.rows.input_ids.shape
         tensors = {"advantages": self.advantages, "temperatures": self.temperatures}
-        for name in ("inference_logprobs", "ref_logprobs"):
+        for name in ("inference_logprobs", "ref_logprobs", "top_ps"):
             if getattr(self, name) is not None:
                 tensors[name] = getattr(self, name)
         for name, t in tensors.items():
@@ -196,6 +199,10 @@ class RLMicroBatch:
                 raise ValueError(f"{name} must be floating point, got {t.dtype}")
         if (host_array(self.temperatures)[host_array(self.rows.loss_mask)] <= 0).any():
             raise ValueError("temperatures must be > 0 on loss tokens")
+        if self.top_ps is not None:
+            top_ps = host_array(self.top_ps)[host_array(self.rows.loss_mask)]
+            if not ((top_ps > 0) & (top_ps <= 1)).all():
+                raise ValueError("top_ps must be in (0, 1] on loss tokens")
         if len(self.sample_lengths) != shape[0]:
             raise ValueError(
                 f"sample_lengths has {len(self.sample_lengths)} rows, expected {shape[0]}"

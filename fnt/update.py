@@ -147,6 +147,7 @@ def accumulate_gradients_(
     rows_of: Callable[[Any], PackedRows] = lambda mb: mb,
     *,
     temperatures_of: Optional[Callable[[Any], Tensor]] = None,
+    top_ps_of: Optional[Callable[[Any], Optional[Tensor]]] = None,
     entropy: bool = False,
     chunk_tokens: int = ModelConfig.loss_chunk_tokens,
     per_sample: bool = False,
@@ -158,8 +159,10 @@ def accumulate_gradients_(
 
     `batch.micro_batches` are run one after another; `rows_of(mb)` gives a micro-batch's packed
     rows. `loss_fn` gets the loss tokens' logprobs at the temperatures `temperatures_of(mb)`
-    ([B, T], token t's at t; None means 1), with their entropies when `entropy` is true, computed
-    in chunks of `chunk_tokens` loss tokens (0: from the full logits; model.loss_chunk_tokens).
+    ([B, T], token t's at t; None means 1), over the nuclei `top_ps_of(mb)` ([B, T], the top-p
+    each token was sampled with; None means 1: the full vocabulary, fnt.model.lm_head), with
+    their entropies when `entropy` is true, computed in chunks of `chunk_tokens` loss tokens (0:
+    from the full logits; model.loss_chunk_tokens).
     Trailing micro-batches that have no loss token on any rank are not run (see
     `micro_batches_to_run`). A micro-batch whose loss is NaN/inf is left out of the loss and
     counted, decided on the device: it back-propagates zeros through the same graph (so every
@@ -189,7 +192,8 @@ def accumulate_gradients_(
             mb = to_device(mb, device)
             rows = rows_of(mb)
             temperatures = None if temperatures_of is None else temperatures_of(mb)
-            wanted = loss_tokens_of(rows, temperatures, entropy)
+            top_ps = None if top_ps_of is None else top_ps_of(mb)
+            wanted = loss_tokens_of(rows, temperatures, entropy, top_ps)
             with record_router_logits(model) as router_logits:
                 head_out, logprobs = forward_loss_tokens(model, rows, wanted, chunk_tokens)
             if top_k:

@@ -8,6 +8,7 @@ in steps/rl_losses.py. Per loss token t (loss_mask[t]; token x_t is predicted fr
 t-1), with tau_t the temperature token t was sampled at:
 
     logp_t   = log_softmax(logits[t-1] / tau_t)[x_t]                     (float32)
+               (over the nucleus a token sampled with top-p < 1 came from: fnt/model/lm_head.py)
     loss     = sum of l_t over the loss tokens of every micro-batch on every rank / N
                ("token"), or the sum of each sample's mean l_t / S ("sequence")
 
@@ -16,8 +17,9 @@ number of samples. The LM head computes logp_t (and H_t below) in chunks of
 `model.loss_chunk_tokens` loss tokens, without ever holding the full logits (fnt/model/lm_head.py).
 The reference policy's logprobs (loss.ref_kl_tau > 0) are the batch's own (external rollouts
 with ref_logprobs, loss.ref_source = "rollouts") or come from the frozen reference model in
-`state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient;
-with LoRA that model is the policy itself, run with its adapters off (its base).
+`state.handles.ref_model`, at the same temperatures and in the same chunks, without gradient,
+over the whole vocabulary (no nucleus: KL to the reference stays finite); with LoRA that model
+is the policy itself, run with its adapters off (its base).
 
 A step whose every loss token has advantage 0 (every group's rewards were equal, or skipped
 for a bad reward) is skipped on every rank alike when the loss is then exactly 0 in gradient
@@ -231,6 +233,7 @@ def rl_gradients_(
         lambda logprobs, mb: rl_loss(logprobs, mb, config, max_new_tokens),
         rows_of=lambda mb: mb.rows,
         temperatures_of=lambda mb: mb.temperatures,
+        top_ps_of=lambda mb: mb.top_ps,
         entropy=True,
         chunk_tokens=chunk_tokens,
         per_sample=per_sample(aggregation_of(config)),

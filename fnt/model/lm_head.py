@@ -20,12 +20,22 @@ as `.logits` (transformers 5: `logits = self.lm_head(slice_logits_to_keep(hidden
 logits_to_keep))` in LlamaForCausalLM and Qwen3MoeForCausalLM; fnt passes no `logits_to_keep`,
 whose default 0 keeps every position). A tied head's weight is the embedding's parameter, so the
 gradients of both uses accumulate into it.
+
+Nucleus (top-p) sampling: a token sampled from the nucleus of p (rollout.vllm.top_p < 1) has
+the probability of the truncated distribution, softmax over the kept tokens only, which is what
+vLLM returns for it (--logprobs-mode processed_logprobs). So the trainer computes the same:
+with a top-p below 1 on a loss token, its logprob is z[target] - logsumexp(z over the kept set),
+z = logits / temperature, the kept set found from the trainer's own z exactly as vLLM's PyTorch
+sampler finds it (`nucleus_mask`), and held constant for the gradient (it is piecewise constant
+in z). Its entropy is that of the truncated distribution, the one sampled from. A top-p of 1
+(the in-process engine's, external samples') leaves the full softmax, bit for bit as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -48,6 +58,8 @@ class LossTokens:
     targets: Tensor  # [N] int64, the loss tokens
     temperatures: Optional[Tensor]  # [N] float32 (> 0), the softmax temperatures; None means 1
     entropy: bool  # also compute each token's softmax entropy (without gradient)
+    # [N] float32 in (0, 1], the nucleus (top-p) each token was sampled from; None means 1
+    top_ps: Optional[Tensor] = None
 
 
 def at_loss_tokens(rows: PackedRows, per_token: Tensor) -> Tensor:
@@ -58,16 +70,25 @@ def at_loss_tokens(rows: PackedRows, per_token: Tensor) -> Tensor:
 
 
 def loss_tokens_of(
-    rows: PackedRows, temperatures: Optional[Tensor] = None, entropy: bool = False
+    rows: PackedRows,
+    temperatures: Optional[Tensor] = None,
+    entropy: bool = False,
+    top_ps: Optional[Tensor] = None,
 ) -> LossTokens:
-    """The loss tokens of `rows`; `temperatures` [B, T] holds token t's temperature at t. The
-    positions come from the rows' host layout (fnt.batch.row_layout), so nothing is read back."""
+    """The loss tokens of `rows`; `temperatures` [B, T] holds token t's temperature at t, and
+    `top_ps` [B, T] its nucleus (top-p). The positions come from the rows' host layout
+    (fnt.batch.row_layout), so nothing is read back."""
+
+    def at_tokens(per_token: Optional[Tensor]) -> Optional[Tensor]:
+        return None if per_token is None else at_loss_tokens(rows, per_token).float()
+
     return LossTokens(
         mask=rows.loss_mask[:, 1:],
         index=row_layout(rows).loss_index,
         targets=at_loss_tokens(rows, rows.input_ids),
-        temperatures=None if temperatures is None else at_loss_tokens(rows, temperatures).float(),
+        temperatures=at_tokens(temperatures),
         entropy=entropy,
+        top_ps=at_tokens(top_ps),
     )
 
 
@@ -75,7 +96,9 @@ def loss_tokens_of(
 class TokenLogprobs:
     """What a loss sees of the model: one value per loss token, in LossTokens order."""
 
-    logp: Tensor  # [N] float32, differentiable: log_softmax(logits / temperature)[target]
+    # [N] float32, differentiable: log_softmax(logits / temperature)[target], over the nucleus
+    # when the token has a top-p below 1 (module docstring)
+    logp: Tensor
     entropy: Optional[Tensor]  # [N] float32, no gradient: the entropy of that softmax, if asked
 
 
@@ -102,36 +125,95 @@ class _TargetLogprob(torch.autograd.Function):
         return grad_z.scatter_add_(-1, targets[:, None], grad[:, None]), None
 
 
-def token_stats(
-    logits: Tensor, targets: Tensor, temperatures: Optional[Tensor], entropy: bool
-) -> Tensor:
-    """[1, n] logp, or [2, n] (logp, entropy), of n tokens from their logits [n, V], in float32."""
+NUCLEUS_ROWS = 128
+"""Rows whose nucleus `nucleus_mask` finds at once: sorting a row makes several tensors of its
+size (the sorted values, their int64 indices, the cumulative probabilities, the mask), so a
+chunk of model.loss_chunk_tokens rows is done this many at a time."""
+
+
+@torch.compiler.disable  # eager also inside the compiled kernel: one implementation of the rule
+@torch.no_grad()
+def nucleus_mask(z: Tensor, top_ps: Tensor, targets: Tensor) -> Tensor:
+    """[n, V] bool: the tokens nucleus sampling with top-p `top_ps` [n] keeps from softmax(z)
+    of rows z [n, V] (float32), each row's target always among them; all of a row whose top-p
+    is 1 or more.
+
+    vLLM's rule (vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch, the sampler
+    of its CPU build and of GPUs without Triton): sort the row ascending, take the cumulative
+    sum of the sorted probabilities in float32, drop the tokens whose cumulative sum is <= 1 - p
+    and never the most probable one. So a token is kept when less than p of the probability
+    lies on the tokens sorted above it: the token that crosses p is kept. Ties sort in vocabulary
+    order (a stable sort), so of tokens tied at the boundary the later ones are kept. vLLM's
+    Triton kernel (GPUs) keeps the same set up to float rounding and which of such ties it keeps.
+
+    The target is kept also where the trainer's set misses it: the sampler kept it, and where
+    the two sets differ at all they differ by rounding at the boundary; without it the logprob
+    would be -inf."""
+    kept = torch.empty(z.shape, dtype=torch.bool, device=z.device)
+    for start in range(0, z.shape[0], NUCLEUS_ROWS):
+        rows = slice(start, start + NUCLEUS_ROWS)
+        ascending, order = z[rows].sort(dim=-1, stable=True)
+        mass_so_far = ascending.softmax(dim=-1).cumsum_(dim=-1)
+        dropped = mass_so_far <= (1 - top_ps[rows])[:, None]
+        dropped[:, -1] = False
+        kept[rows].scatter_(-1, order, ~dropped)
+    kept.scatter_(-1, targets[:, None], True)
+    return kept.logical_or_((top_ps >= 1)[:, None])
+
+
+def truncated_logits(
+    logits: Tensor, targets: Tensor, temperatures: Optional[Tensor], top_ps: Optional[Tensor]
+) -> tuple[Tensor, Optional[Tensor]]:
+    """(z, kept): z = logits / temperature in float32, -inf outside each row's nucleus (module
+    docstring), and the [n, V] mask of the kept tokens (None without `top_ps`: all kept)."""
     z = logits.float()
     if temperatures is not None:
         z = z / temperatures[:, None]
+    if top_ps is None:
+        return z, None
+    kept = nucleus_mask(z.detach(), top_ps, targets)
+    return z.masked_fill(~kept, -math.inf), kept
+
+
+def _expected_logit(z: Tensor, kept: Optional[Tensor]) -> Tensor:
+    """sum of softmax(z) * z per row: the entropy is logsumexp(z) minus it. Outside the kept
+    set z is -inf and its probability 0, so those terms are 0 (not 0 * -inf)."""
+    finite = z if kept is None else z.masked_fill(~kept, 0.0)
+    return torch.softmax(z, dim=-1).mul_(finite).sum(dim=-1)
+
+
+def token_stats(
+    logits: Tensor,
+    targets: Tensor,
+    temperatures: Optional[Tensor],
+    entropy: bool,
+    top_ps: Optional[Tensor] = None,
+) -> Tensor:
+    """[1, n] logp, or [2, n] (logp, entropy), of n tokens from their logits [n, V], in float32,
+    over each token's nucleus when `top_ps` gives one below 1."""
+    z, kept = truncated_logits(logits, targets, temperatures, top_ps)
     logp, lse = _TargetLogprob.apply(z, targets)
     if not entropy:
         return logp[None]
     with torch.no_grad():
-        ent = lse - torch.softmax(z, dim=-1).mul_(z).sum(dim=-1)
+        ent = lse - _expected_logit(z, kept)
     return torch.stack([logp, ent])
 
 
-def _head_stats(hidden, weight, bias, targets, temperatures, entropy) -> Tensor:
-    return token_stats(F.linear(hidden, weight, bias), targets, temperatures, entropy)
+def _head_stats(hidden, weight, bias, targets, temperatures, entropy, top_ps) -> Tensor:
+    return token_stats(F.linear(hidden, weight, bias), targets, temperatures, entropy, top_ps)
 
 
-def _plain_head_stats(hidden, weight, bias, targets, temperatures, entropy) -> Tensor:
+def _plain_head_stats(hidden, weight, bias, targets, temperatures, entropy, top_ps) -> Tensor:
     """`_head_stats` in plain ops, for torch.compile: autograd derives the backward and the
     compiler fuses the cast, the logsumexp, the gather and their backward into few kernels."""
-    z = F.linear(hidden, weight, bias).float()
-    if temperatures is not None:
-        z = z / temperatures[:, None]
+    z, kept = truncated_logits(F.linear(hidden, weight, bias), targets, temperatures, top_ps)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not entropy:
         return logp[None]
-    ent = (lse - torch.softmax(z, dim=-1).mul(z).sum(dim=-1)).detach()
+    finite = z if kept is None else z.masked_fill(~kept, 0.0)
+    ent = (lse - torch.softmax(z, dim=-1).mul(finite).sum(dim=-1)).detach()
     return torch.stack([logp, ent])
 
 
@@ -183,7 +265,11 @@ def chunked_token_stats(
     for start in range(0, max(n, 1), chunk):
         part = slice(start, start + chunk)
         temperatures = None if tokens.temperatures is None else tokens.temperatures[part]
-        args = (selected[part], weight, bias, tokens.targets[part], temperatures, tokens.entropy)
+        top_ps = None if tokens.top_ps is None else tokens.top_ps[part]
+        args = (
+            *(selected[part], weight, bias, tokens.targets[part]),
+            *(temperatures, tokens.entropy, top_ps),
+        )
         if start + chunk >= n:
             parts.append(head_stats(*args))
         else:
@@ -201,7 +287,9 @@ def logprobs_of(stats: Tensor, tokens: LossTokens) -> TokenLogprobs:
 def logprobs_from_logits(logits: Tensor, tokens: LossTokens) -> TokenLogprobs:
     """The TokenLogprobs of the loss tokens from the full logits [B, T, V] (the unchunked path)."""
     selected = logits.flatten(0, 1).index_select(0, tokens.index)
-    stats = token_stats(selected, tokens.targets, tokens.temperatures, tokens.entropy)
+    stats = token_stats(
+        selected, tokens.targets, tokens.temperatures, tokens.entropy, tokens.top_ps
+    )
     return logprobs_of(stats, tokens)
 
 

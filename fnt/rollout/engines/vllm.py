@@ -36,10 +36,16 @@ timeouts, many requests in flight).
 The token ids are the servers' own, so nothing is tokenized twice; their logprobs are of the
 sampling distribution (the servers run with --logprobs-mode processed_logprobs, which
 `fnt vllm-serve` sets), so they are the inference logprobs the loss's importance ratio needs.
+That distribution is softmax(logits / temperature), over the nucleus when rollout.vllm.top_p < 1
+(renormalized over the kept tokens): each request names every other setting that would change it
+(top_k, min_p, the penalties) as off, whatever defaults a server has, and the step's micro-batches
+carry the top-p (`with_top_p`), so the trainer computes its logprobs over the same nucleus
+(fnt.model.lm_head) and the ratio compares like with like.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -49,6 +55,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import httpx
+import torch
 
 from fnt.batch import DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig
@@ -204,7 +211,9 @@ def completion_request(
 ) -> dict[str, Any]:
     """The /v1/completions body for one prompt's group (n = group_size, max_new_tokens unless
     given): token ids in, the sampled token ids and each one's logprob out, stopping at the
-    model's stop tokens. Pure."""
+    model's stop tokens. The sampling distribution is softmax(logits / temperature) over the
+    nucleus of top_p: the settings that would change it further are named as off, so a server's
+    defaults (its model's generation_config.json) cannot add to it. Pure."""
     return {
         "model": model,
         "prompt": list(prompt_ids),
@@ -212,6 +221,11 @@ def completion_request(
         "max_tokens": rollout.max_new_tokens if max_tokens is None else max_tokens,
         "temperature": rollout.temperature,
         "top_p": rollout.vllm.top_p,
+        "top_k": 0,  # off (vLLM: 0 or -1)
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "stop_token_ids": sorted(stop_token_ids),
         "logprobs": 0,  # the sampled token's logprob only
         "return_token_ids": True,
@@ -375,7 +389,7 @@ class VLLMEngine(PromptRollouts, Stateless):
         job = self.submit_jobs(step, position) if self.runtime.is_main else None
         samples, dropped, after, generation_seconds, version = broadcast_object(job, self.runtime)
         mine = rank_share(samples, self.runtime.dp_rank, self.runtime.dims.dp, what="samples")
-        return self.batch(
+        batch = self.batch(
             list(mine),
             after,
             time.perf_counter() - started,
@@ -384,6 +398,7 @@ class VLLMEngine(PromptRollouts, Stateless):
             staleness=state.progress.step - version,
             dropped=dropped if self.runtime.is_main else 0,
         )
+        return with_top_p(batch, self.config.rollout.vllm.top_p)
 
     def submit_jobs(self, step: int, position: DataPosition):
         """Rank 0: queue the generation jobs of updates step .. step + k (not past max_steps)
@@ -441,6 +456,19 @@ class VLLMEngine(PromptRollouts, Stateless):
                 self.sender.close()
             for server in self.servers:
                 server.close()
+
+
+def with_top_p(batch: RLBatch, top_p: float) -> RLBatch:
+    """The batch whose micro-batches say their tokens were sampled from the nucleus of `top_p`
+    (RLMicroBatch.top_ps, on every position as the temperatures are); the batch itself at
+    top_p = 1, whose trainer logprobs are then the full softmax's, exactly as without. Pure."""
+    if top_p >= 1:
+        return batch
+    micro_batches = tuple(
+        dataclasses.replace(mb, top_ps=torch.full_like(mb.temperatures, top_p))
+        for mb in batch.micro_batches
+    )
+    return dataclasses.replace(batch, micro_batches=micro_batches)
 
 
 def publish_to_vllm_(state: TrainState) -> None:

@@ -102,6 +102,13 @@ def test_a_request_sends_token_ids_and_asks_for_sampled_ids_and_logprobs():
         "max_tokens": 4,
         "temperature": 0.7,
         "top_p": 0.9,
+        # Off whatever a server's defaults: the distribution is softmax(logits / T) over the
+        # nucleus, which is what the trainer computes (fnt.model.lm_head).
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "stop_token_ids": [3, 9],
         "logprobs": 0,
         "return_token_ids": True,
