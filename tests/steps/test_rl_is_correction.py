@@ -13,7 +13,7 @@ import torch
 
 from fnt.config import ConfigError, RLConfig, RLLossConfig, RolloutConfig, load_config, validate
 from fnt.config.losses import IS_CORRECTIONS, IS_LEVELS
-from steps.rl import SUM_KEYS, rl_metrics, rl_step
+from steps.rl import SUM_KEYS, rl_gradients_, rl_metrics, rl_step
 from steps.rl_losses import LossInputs, is_weights, token_loss
 from tests.steps import test_rl_loss as formulas
 from tests.steps import test_rl_step as rl
@@ -367,3 +367,38 @@ def test_the_metrics_divide_by_the_units():
 def test_trl_and_verl_names_are_answered_with_the_keys(typed, key):
     with pytest.raises(ConfigError, match=rf"unknown key '{typed}'.*did you mean '{key}'"):
         load_config([f"--{typed}=2"], RLConfig)
+
+
+@pytest.mark.parametrize("level", list(IS_LEVELS))
+@pytest.mark.parametrize("correction", CORRECTIONS)
+def test_micro_batches_of_one_row_give_the_full_batch_gradient(tiny_model_dir, correction, level):
+    """The weights are per token or per sample, and a sample sits whole in one micro-batch, so
+    accumulation changes neither the gradient nor the is_* sums."""
+    config = RLLossConfig(
+        kind="ratio",
+        kl_tau=0.1,
+        is_correction=correction,
+        is_level=level,
+        is_cap=1.2,
+        is_bounds=(0.3, 3.0) if level == "sequence" else (0.8, 1.25),
+    )
+    state = rl.make_state(tiny_model_dir, loss=config)
+    model, runtime = state.handles.model, state.handles.runtime
+    rows = rl.random_rows(3)
+    inference = sampler_logprobs(model, rows)
+
+    def grads_for(micro_batch_size):
+        model.zero_grad(set_to_none=True)
+        batch = rl.rl_batch(rows, inference, micro_batch_size)
+        totals = rl_gradients_(model, batch, runtime, config, chunk_tokens=16)
+        return totals, [p.grad.clone() for p in model.parameters()]
+
+    full_totals, full = grads_for(rl.ROWS)
+    acc_totals, acc = grads_for(1)
+    counted = full_totals.sums["is_clipped" if correction == "tis" else "is_masked"]
+    assert 0 < float(counted) < float(full_totals.sums["is_units"])
+    for key in ("is_weight", "is_clipped", "is_masked", "is_units"):
+        torch.testing.assert_close(acc_totals.sums[key], full_totals.sums[key])
+    torch.testing.assert_close(acc_totals.loss_sum, full_totals.loss_sum, rtol=0, atol=1e-4)
+    for g_full, g_acc in zip(full, acc):
+        torch.testing.assert_close(g_acc, g_full, rtol=0, atol=1e-6)
