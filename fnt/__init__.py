@@ -38,7 +38,7 @@ _EXPORTS = {
     "rl_source": "fnt.sources",
     "pair_source": "fnt.sources",
     "to_floats": "fnt.obs.metrics",
-    "Evaluation": "fnt.rows",
+    "Evaluation": "fnt.evaluation",
     # The research kit: what a step function of your own is made of
     "accumulate_gradients_": "fnt.update",
     "complete_step_": "fnt.update",

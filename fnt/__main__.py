@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 from fnt.apps.cli import exit_on_bad_input, parse_config
-from fnt.apps.preflight import check_export, check_inputs, export_marker
+from fnt.apps.preflight import check_inputs
 from fnt.config import Config, DPOConfig, RLConfig
 from fnt.config.schema import DTYPE_NAMES
 from fnt.errors import ConfigError
 from fnt.store.rundir import rank0_run_lock
-from fnt.store.transaction import staged_dir_
 
 USAGE = """\
 usage: fnt COMMAND [ARGS]...   (or: python -m fnt COMMAND [ARGS]...)
@@ -133,9 +132,10 @@ def dpo(argv: list[str]) -> None:
 
 def export(argv: list[str]) -> None:
     """`fnt export --checkpoint RUN/checkpoints/step_N --out HF_DIR [--dtype bfloat16] [--merge]
-    [--force]`. The checks (fnt.apps.preflight.check_export) and the creation of the directory the
-    export is written into (fnt.store.transaction.staged_dir_) come before torch is imported, so
-    `--help`, a bad argument, a bad checkpoint or a bad --out answer at once."""
+    [--force]`: fnt.apps.export.export_hf_, whose checks (fnt.apps.preflight.check_export) and
+    creation of the directory the export is written into (fnt.store.transaction.staged_dir_)
+    come before torch is imported, so `--help`, a bad argument, a bad checkpoint or a bad --out
+    answer at once."""
     parser = argparse.ArgumentParser(
         prog="fnt export", description="Export a checkpoint as a Hugging Face model directory."
     )
@@ -161,13 +161,9 @@ def export(argv: list[str]) -> None:
         help="replace --out even when it holds other files (never a run directory)",
     )
     args = parser.parse_args(argv)
-    # export_hf_ in three steps, so that the directory is created before torch is imported.
-    check_export(args.checkpoint, args.out, args.force)
-    marker = export_marker(args.checkpoint, args.dtype, args.merge)
-    with staged_dir_(args.out, marker, "--out") as partial:
-        from fnt.apps.export import write_hf_
+    from fnt.apps.export import export_hf_  # torch-free until the checks and --out are done
 
-        write_hf_(args.checkpoint, partial, args.dtype, merge=args.merge)
+    export_hf_(args.checkpoint, args.out, args.dtype, merge=args.merge, force=args.force)
     print(
         json.dumps(
             {

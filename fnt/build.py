@@ -190,10 +190,10 @@ def precomputed_references(
     LoRA its base (adapters off) and without it the policy itself are the reference, and no
     second model is loaded unless dpo.ref_model names another directory (loaded, used and
     dropped). The tables come from the data cache when it holds them
-    (fnt.evaluation.reference_table)."""
+    (fnt.evaluation.pairs.reference_table)."""
     if mode_of(config).reference(config) != "precomputed":
         return handles
-    from fnt.evaluation import reference_table
+    from fnt.evaluation.pairs import reference_table
 
     ref_dir = reference_dir(config)
     ref = policy

@@ -2,7 +2,7 @@
 held-out evaluation of pairs and the precomputed reference share.
 Side effects: `reference_sums` and `with_reference_logps` run forward passes (collectives
 under FSDP2); the rest is pure. The held-out pairs and the precomputed reference table, which
-read data and run whole passes over it, are fnt.evaluation's (`PairEvalData`,
+read data and run whole passes over it, are fnt.evaluation.pairs' (`PairEvalData`,
 `reference_table`).
 
 Per micro-batch of P pairs, each side's logprob is the SUM over its response tokens (the loss

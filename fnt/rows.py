@@ -1,28 +1,18 @@
 """The one metrics row of each step: `log_step_metrics` makes it (the step's own metrics with the
 shared groups) and `RowBuilder` gives it what the driver measured.
-Side effects: evaluations (fnt.evaluation: forward passes, collectives), a clock and a
-disk-usage query per row; the groups themselves are fnt.obs.metrics' pure builders.
+Side effects: evaluations (fnt.evaluation.Evaluation: forward passes, collectives), a clock
+and a disk-usage query per row; the groups themselves are fnt.obs.metrics' pure builders.
 
 A row carries, besides the step function's metrics: progress/* (from Progress), perf/* (this
 step's tokens over its time, MFU, peak memory), the timing the loop measured (time/step and the
 hooks'), time/save_ckpt (the save after the previous step: row N is written before step N's
-save), system/ckpt_disk_*, and the held-out metrics (`Evaluation`, calling the state's `val`
-handle, an fnt.state.Evaluator):
-
-- An evaluation after step N, when N is a multiple of val.interval, goes into row N: val/loss
-  (the summed cross entropy of all loss tokens over their count), val/perplexity (its exp) and
-  val/num_tokens (that count) with val.sources; val/reward/mean with val.prompts.
-- `val.eval_on_start` evaluates the start state (after S updates: 0, or the resumed
-  checkpoint's step) before the first step, and its values go into the run's first row, S + 1,
-  as val/start/loss, val/start/perplexity, val/start/num_tokens, val/start/reward/mean. They have
-  keys of their own because val/* of a row always describe the model that row ends with: row
-  S + 1 has val/* itself when S + 1 is a multiple of val.interval.
-- Every row of a run with model.compile has time/compile, the seconds the process spent
-  compiling since the previous row's evaluations (the step, its source and the save after the
-  previous row; fnt.model.compile), which perf/* leave out, and perf/compile_graphs, the graphs
-  compiled in that time. An evaluation's compiling counts in its time/val.
-- Every row of a run with validation has time/val, the seconds the row's evaluations took (0
-  when none ran), so that time/step stays the optimizer step's time.
+save), system/ckpt_disk_*, and the held-out metrics (fnt.evaluation.Evaluation, calling the
+state's `val` handle, an fnt.state.Evaluator: which rows get val/*, val/start/* and time/val is
+its module's docstring). Every row of a run with model.compile has time/compile, the seconds
+the process spent compiling since the previous row's evaluations (the step, its source and the
+save after the previous row; fnt.model.compile), which perf/* leave out, and
+perf/compile_graphs, the graphs compiled in that time. An evaluation's compiling counts in its
+time/val.
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
+from fnt.evaluation import Evaluation
 from fnt.model.compile import compile_totals
 from fnt.model.loading import model_facts
 from fnt.obs.metrics import (
@@ -49,47 +40,6 @@ from fnt.store.rundir import ckpt_root
 if TYPE_CHECKING:
     from fnt.distributed.runtime import Runtime
     from fnt.obs.monitors import Monitors
-
-PREFIX = "val/"
-START_PREFIX = "val/start/"
-
-
-def is_due(step: int, interval: int) -> bool:
-    """Whether the state after `step` updates is evaluated: step is a multiple of interval > 0."""
-    return interval > 0 and step > 0 and step % interval == 0
-
-
-def prefixed(metrics: Mapping[str, float], prefix: str) -> dict[str, float]:
-    return {prefix + key: value for key, value in metrics.items()}
-
-
-class Evaluation:
-    """The val metrics of each row of a run: `row_metrics(state)` is called once per row, with
-    the state the row ends with. Built with the start state, which it evaluates right away when
-    val.eval_on_start is set (see the module docstring for which keys go into which row)."""
-
-    def __init__(self, state: TrainState) -> None:
-        self.interval = state.config.val.interval
-        self.enabled = state.handles.val is not None
-        self.pending: dict[str, float] = {}
-        self.pending_seconds = 0.0
-        config = state.config
-        if self.enabled and config.val.eval_on_start and state.progress.step < config.max_steps:
-            started = time.perf_counter()
-            self.pending = prefixed(state.handles.val.evaluate(state), START_PREFIX)
-            self.pending_seconds = time.perf_counter() - started
-
-    def row_metrics(self, state: TrainState) -> dict[str, float]:
-        """val/* (when this row's step is due), val/start/* (in the first row) and time/val."""
-        if not self.enabled:
-            return {}
-        row, seconds = self.pending, self.pending_seconds
-        self.pending, self.pending_seconds = {}, 0.0
-        if is_due(state.progress.step, self.interval):
-            started = time.perf_counter()
-            row = {**row, **prefixed(state.handles.val.evaluate(state), PREFIX)}
-            seconds += time.perf_counter() - started
-        return {**row, "time/val": seconds}
 
 
 def log_step_metrics(

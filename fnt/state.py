@@ -149,7 +149,7 @@ class Handles:
     like the model, without gradients; never in the optimizer or a checkpoint (None otherwise).
     With LoRA it is `model` itself, whose base (adapters off) is the reference."""
     val: Optional[Evaluator] = None
-    """The held-out samples and prompts (fnt.evaluation.EvalData); None without [val]."""
+    """The held-out samples and prompts (fnt.evaluation.held_out.EvalData); None without [val]."""
 
     def components(self) -> dict[str, Component]:
         """The sources' handles this state has, by field name: what checkpoints save and restore

@@ -12,6 +12,10 @@ naming the base, adapter_model.safetensors, the tokenizer), which `PeftModel.fro
 and vLLM's `--lora-modules` load on the base; with `merge` as a full model with the adapters
 merged into its weights. Checkpoints saved by any number of ranks load here in one process (DCP
 reshards on load).
+
+torch and the model code are imported by the functions that read or write weights, so that
+`export_hf_`, which `fnt export` calls, checks its inputs and creates the directory it writes
+into before torch is imported: a bad checkpoint or --out answers at once.
 """
 
 from __future__ import annotations
@@ -19,25 +23,23 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Optional
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
+from typing import TYPE_CHECKING, Optional
 
 from fnt.apps.preflight import check_export, export_marker
-from fnt.checkpoint import read_meta
 from fnt.config import LoraConfig, ModelConfig
 from fnt.errors import CheckpointError
-from fnt.model.loading import DTYPES, load_hf_model, without_tied_duplicates
-from fnt.model.lora import add_adapters_, base_fingerprint, merge_adapters, save_adapter_
 from fnt.model.tokenizer import load_tokenizer
 from fnt.store.paths import require_checkpoint
 from fnt.store.transaction import staged_dir_
 
+if TYPE_CHECKING:
+    from torch import nn
+
 
 def saved_lora(ckpt_dir: Path) -> LoraConfig:
     """The adapters' settings a checkpoint records (off for a checkpoint without LoRA)."""
+    from fnt.checkpoint import read_meta
+
     lora = read_meta(ckpt_dir).get("lora", {})
     return LoraConfig(**{key: tuple(v) if isinstance(v, list) else v for key, v in lora.items()})
 
@@ -46,6 +48,9 @@ def check_base(ckpt_dir: Path) -> str:
     """The base model directory of a checkpoint; a CheckpointError when a LoRA checkpoint's base
     has changed since (fnt.model.lora.base_fingerprint), so its adapters would adapt another
     model."""
+    from fnt.checkpoint import read_meta
+    from fnt.model.lora import base_fingerprint
+
     meta = read_meta(ckpt_dir)
     base, recorded = meta["model_name"], meta.get("base_fingerprint")
     if recorded is not None and base_fingerprint(base) != recorded:
@@ -59,6 +64,12 @@ def check_base(ckpt_dir: Path) -> str:
 def load_trained_model(ckpt_dir: Path) -> nn.Module:
     """The base model architecture with the checkpoint's weights, in float32, on CPU; for a
     LoRA checkpoint, the base read from its directory with the trained adapters added."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fnt.model.loading import load_hf_model
+    from fnt.model.lora import add_adapters_
+
     ckpt_dir = Path(ckpt_dir)
     require_checkpoint(ckpt_dir, "")
     base = check_base(ckpt_dir)
@@ -101,6 +112,10 @@ def write_hf_(
     """Write the trained model (optionally cast to `dtype`) and the base tokenizer into the
     existing directory out_dir: a full model, or for a LoRA checkpoint its PEFT adapter
     directory (`merge`: the full model with the adapters merged in)."""
+    from fnt.checkpoint import read_meta
+    from fnt.model.loading import DTYPES, without_tied_duplicates
+    from fnt.model.lora import merge_adapters, save_adapter_
+
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     model = load_trained_model(ckpt_dir)
     lora = saved_lora(ckpt_dir)

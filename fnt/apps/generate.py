@@ -6,8 +6,8 @@ DIR is a checkpoint (RUN/checkpoints/step_N, LoRA ones included: loaded as `fnt 
 them, fnt.apps.export.load_trained_model) or a Hugging Face model directory. The prompts are
 rollout.prompts' records (`{"prompt": ...}` or `{"messages": [...]}`, fnt.rollout.prompts); a
 --prompt TEXT is one user message. Answers are greedy by default, through the function
-validation generates with (fnt.evaluation.greedy_answers), so they are the
-answers `val.prompts` scores; with --temperature > 0, --n sampled answers per prompt, each
+validation generates with (fnt.evaluation.held_out.greedy_answers), so they are
+the answers `val.prompts` scores; with --temperature > 0, --n sampled answers per prompt, each
 prompt drawing from a generator seeded by (--seed, its index) (fnt.rollout.sampling).
 Generation stops at the model's end-of-turn tokens or after --max-new-tokens. A prompt that
 leaves no room for --max-new-tokens in the model's context (max_position_embeddings) is an error
@@ -226,10 +226,10 @@ def answer(
     seed: int,
 ) -> list[list[Any]]:
     """Per prompt, its answers as fnt.rollout.sampling.Completion: the greedy one (temperature
-    0, validation's fnt.evaluation.greedy_answers), else `n` sampled ones."""
+    0, validation's fnt.evaluation.held_out.greedy_answers), else `n` sampled ones."""
     import torch
 
-    from fnt.evaluation import greedy_answers
+    from fnt.evaluation.held_out import greedy_answers
     from fnt.rollout.sampling import Completion, generate, sampling_seed
 
     if temperature == 0:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
 
-from fnt.batch import DataPosition, RLBatch
+from fnt.batch import DataPosition, RLBatch, RLMicroBatch
 from fnt.config import ConfigError, RLConfig, RolloutConfig, validate_rollout
 from fnt.config.environments import supplies_prompts
 from fnt.distributed.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
@@ -106,6 +106,7 @@ class PromptRollouts:
             std_normalize=rollout.std_normalize,
             prompts_path=where,
             name=name,
+            reward_name=rollout.environment or rollout.reward,
         )
         # Whether an episode may have a later turn (engines keep what continues it, if so).
         self.multi_turn = rollout.max_turns > 1 and not isinstance(
@@ -151,23 +152,17 @@ class PromptRollouts:
     ) -> RLBatch:
         """Pack this rank's samples of update `step` and measure them, and on a sample step
         save every rank's as text (fnt.rollout.saved_samples): collectives when distributed."""
-        config, runtime, rollout = self.config, self.runtime, self.config.rollout
-        save_samples_(config, runtime, step, samples, self.tokenizer)
-        # The packing fits each rank's rows to its samples; every rank must still run the same
-        # number of micro-batches (fnt.update), so the shorter shares get all-padding ones.
-        count = micro_batch_count(
-            [s.length for s in samples],
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-        )
-        micro_batches = pack_rollouts(
+        config, runtime = self.config, self.runtime
+        count = int(all_reduce_max([share_micro_batch_count(samples, config)], runtime)[0])
+        micro_batches = save_and_pack_(
             samples,
-            num_rows=config.batch_size // runtime.dims.dp,
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-            temperature=rollout.temperature,
+            step,
+            config,
+            runtime,
+            self.tokenizer,
+            temperature=config.rollout.temperature,
             pad_token_id=self.pad_token_id,
-            num_micro_batches=int(all_reduce_max([count], runtime)[0]),
+            num_micro_batches=count,
         )
         metrics = rollout_metrics(
             samples, seconds, runtime, generation_seconds=generation_seconds, dropped=dropped
@@ -179,6 +174,64 @@ class PromptRollouts:
             data_after=after,
             metrics=metrics,
         )
+
+
+def share_micro_batch_count(samples: Sequence[RolloutSample], config: RLConfig) -> int:
+    """How many micro-batches a rank's share of a step's samples packs into. Pure."""
+    return micro_batch_count(
+        [s.length for s in samples],
+        seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size,
+    )
+
+
+def pack_share(
+    samples: Sequence[RolloutSample],
+    config: RLConfig,
+    runtime: Runtime,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    num_micro_batches: int,
+) -> tuple[RLMicroBatch, ...]:
+    """A rank's share of a step's samples packed into its rows (batch_size / dp of them) of
+    `num_micro_batches` micro-batches. The packing fits each rank's rows to its samples; every
+    rank must still run the same number of micro-batches (fnt.update), so the caller gives the
+    most any share needs and the shorter shares get all-padding ones. Pure."""
+    return pack_rollouts(
+        samples,
+        num_rows=config.batch_size // runtime.dims.dp,
+        seq_len=config.seq_len,
+        micro_batch_size=config.micro_batch_size,
+        temperature=temperature,
+        pad_token_id=pad_token_id,
+        num_micro_batches=num_micro_batches,
+    )
+
+
+def save_and_pack_(
+    samples: Sequence[RolloutSample],
+    step: int,
+    config: RLConfig,
+    runtime: Runtime,
+    tokenizer: Any,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    num_micro_batches: int,
+) -> tuple[RLMicroBatch, ...]:
+    """A rank's samples of update `step`, saved as text on a sample step (every rank's, by rank
+    0 after an all-gather: fnt.rollout.saved_samples) and packed (`pack_share`): what every
+    engine does with a step's samples."""
+    save_samples_(config, runtime, step, samples, tokenizer)
+    return pack_share(
+        samples,
+        config,
+        runtime,
+        temperature=temperature,
+        pad_token_id=pad_token_id,
+        num_micro_batches=num_micro_batches,
+    )
 
 
 def run_prompts(
@@ -224,6 +277,38 @@ def check_prompt_lengths(
             )
 
 
+NamedSums = dict[str, list[float]]
+"""Named rewards' sums: name -> [count, sum] of its values (fnt.rollout.environments.protocol)."""
+
+
+def merge_named_sums(parts: Iterable[Mapping[str, Sequence[float]]]) -> NamedSums:
+    """The named-reward sums of all `parts` (each name -> (count, sum)) added up, names in the
+    order they first appear. Pure."""
+    merged: NamedSums = {}
+    for part in parts:
+        for name, (count, total) in part.items():
+            pair = merged.setdefault(name, [0.0, 0.0])
+            pair[0] += count
+            pair[1] += total
+    return merged
+
+
+def named_sums(named: Iterable[tuple[str, float]]) -> NamedSums:
+    """The sums of named reward values, each (name, value) counting once. Pure."""
+    return merge_named_sums({name: (1.0, value)} for name, value in named)
+
+
+def all_ranks_named_sums(named: NamedSums, runtime: Runtime) -> NamedSums:
+    """The named-reward sums of every rank added up (a collective when distributed). The names
+    may differ between ranks (each scored other samples), so they travel as objects."""
+    return merge_named_sums(all_gather_objects(named, runtime.distributed))
+
+
+def named_reward_means(named: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """reward/{name}/mean of each named reward, by name. Pure."""
+    return {f"reward/{name}/mean": total / count for name, (count, total) in sorted(named.items())}
+
+
 def reward_metrics(count: float, reward_sum: float, reward_sq: float) -> dict[str, float]:
     """reward/mean and reward/std (population) from the count, sum and sum of squares. Pure."""
     mean = reward_sum / count
@@ -253,12 +338,6 @@ def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     good = rewards[torch.isfinite(rewards)]
     sampled = [s.sampled_count for s in samples]
-    named: dict[str, list[float]] = {}
-    for sample in samples:
-        for name, value in sample.named_rewards:
-            pair = named.setdefault(name, [0.0, 0.0])
-            pair[0] += 1.0
-            pair[1] += value
     return {
         "episodes": float(len(samples)),
         "scored": float(len(good)),
@@ -272,7 +351,7 @@ def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
         "tool_errors": float(sum(s.tool_errors for s in samples)),
         "truncated": float(sum(s.truncated for s in samples)),
         "out_of_turns": float(sum(ran_out_of_turns(s) for s in samples)),
-        "named": named,
+        "named": named_sums(pair for s in samples for pair in s.named_rewards),
     }
 
 
@@ -314,9 +393,7 @@ def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, f
         "rollout/sampled_tokens": sums["sampled_tokens"],
         "rollout/context_tokens": sums["context_tokens"],
     }
-    for name, (count, total) in sorted(sums.get("named", {}).items()):
-        metrics[f"reward/{name}/mean"] = total / count
-    return metrics
+    return {**metrics, **named_reward_means(sums.get("named", {}))}
 
 
 def rollout_metrics(
@@ -344,14 +421,7 @@ def rollout_metrics(
     )
     totals = all_reduce_sum(totals, runtime.distributed).tolist()
     sums = dict(zip(EPISODE_SUMS, totals))
-    # The names may differ between ranks, so they travel as objects.
-    merged: dict[str, list[float]] = {}
-    for rank_named in all_gather_objects(named, runtime.distributed):
-        for name, (count, total) in rank_named.items():
-            pair = merged.setdefault(name, [0.0, 0.0])
-            pair[0] += count
-            pair[1] += total
-    sums["named"] = merged
+    sums["named"] = all_ranks_named_sums(named, runtime)
     generating = seconds if generation_seconds is None else generation_seconds
     seconds, generating = all_reduce_max([seconds, generating], runtime)
     return {

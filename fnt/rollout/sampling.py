@@ -194,32 +194,18 @@ def row_cache(kv_cache, row: int, attention_row: Tensor) -> tuple[tuple, tuple]:
     return keys, values
 
 
-@torch.no_grad()
-def generate(
-    model: nn.Module,
+def checked_arguments(
     prompts: Sequence[Sequence[int]],
     *,
     num_samples: int,
     max_new_tokens: Union[int, Sequence[int]],
     stop_token_ids: Collection[int],
-    temperature: float = 1.0,
-    greedy: bool = False,
-    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
-    caches: Optional[Sequence[Optional[RowCache]]] = None,
-    keep_caches: bool = False,
-) -> list[list[Completion]]:
-    """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens
-    (one number for all, or one per prompt: a row that reaches its own limit leaves the batch).
-
-    Sampling draws from softmax(logits / temperature), prompt i's rows with `generators[i]` (on
-    the model's device; None, or a None entry, draws from torch's default generator); `greedy`
-    takes the most likely token instead (and draws nothing). The recorded logprobs are
-    log-softmax(logits / temperature) either way. Put the model in eval mode first.
-
-    `caches[i]` (a Completion's `cache` from an earlier call, or None) holds prompt i's first
-    tokens already read: only the tokens after them are fed. `keep_caches` gives every
-    completion its `cache` (module docstring).
-    """
+    temperature: float,
+    generators: Optional[Sequence[Optional[torch.Generator]]],
+    caches: Optional[Sequence[Optional[RowCache]]],
+) -> tuple[Sequence[int], Sequence[Optional[torch.Generator]], Sequence[Optional[RowCache]]]:
+    """`generate`'s arguments checked (ValueError naming the first bad one), as one limit, one
+    generator and one cache per prompt (None where none is given). Pure."""
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else max_new_tokens
     if num_samples < 1 or len(limits) != len(prompts) or min(limits, default=1) < 1:
         raise ValueError(
@@ -248,6 +234,44 @@ def generate(
                 f"the cache of prompt {i} is not of a proper prefix of it (its {len(c.token_ids)} "
                 f"tokens, the prompt's {len(prompt)})"
             )
+    return limits, generators, caches
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    num_samples: int,
+    max_new_tokens: Union[int, Sequence[int]],
+    stop_token_ids: Collection[int],
+    temperature: float = 1.0,
+    greedy: bool = False,
+    generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+    caches: Optional[Sequence[Optional[RowCache]]] = None,
+    keep_caches: bool = False,
+) -> list[list[Completion]]:
+    """Per prompt, `num_samples` completions, each ending at a stop token or after max_new_tokens
+    (one number for all, or one per prompt: a row that reaches its own limit leaves the batch).
+
+    Sampling draws from softmax(logits / temperature), prompt i's rows with `generators[i]` (on
+    the model's device; None, or a None entry, draws from torch's default generator); `greedy`
+    takes the most likely token instead (and draws nothing). The recorded logprobs are
+    log-softmax(logits / temperature) either way. Put the model in eval mode first.
+
+    `caches[i]` (a Completion's `cache` from an earlier call, or None) holds prompt i's first
+    tokens already read: only the tokens after them are fed. `keep_caches` gives every
+    completion its `cache` (module docstring).
+    """
+    limits, generators, caches = checked_arguments(
+        prompts,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        generators=generators,
+        caches=caches,
+    )
     from fnt.model.decode_cache import LayerCursorCache, decode_cache
 
     device = next(model.parameters()).device

@@ -24,7 +24,8 @@ from fnt.config import (
 )
 from fnt.faults import PHASES, Fault
 from fnt.obs.monitors.jsonl import strict_json_line
-from fnt.store.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX
+from fnt.store.rundir import step_dir
+from fnt.store.transaction import COMPLETE_MARKER, partial_dir
 
 STEPS = st.integers(min_value=0, max_value=60)
 # Names in a checkpoint directory that are never a checkpoint, with or without a marker inside.
@@ -134,19 +135,20 @@ def write_listing_(root: Path, listing: dict[str, Any]) -> None:
     """Create the checkpoint directory `listing` (from `checkpoint_listings`) describes."""
     root.mkdir(parents=True, exist_ok=True)
     for n in listing["complete"]:
-        (root / f"step_{n}").mkdir()
-        (root / f"step_{n}" / "progress.json").write_text("{}")
-        (root / f"step_{n}" / COMPLETE_MARKER).write_text(f"step {n}\n")
+        step_dir(root, n).mkdir()
+        (step_dir(root, n) / "progress.json").write_text("{}")
+        (step_dir(root, n) / COMPLETE_MARKER).write_text(f"step {n}\n")
     for n in listing["unmarked"]:
-        (root / f"step_{n}").mkdir()
-        (root / f"step_{n}" / "progress.json").write_text("{}")
+        step_dir(root, n).mkdir()
+        (step_dir(root, n) / "progress.json").write_text("{}")
     for n in listing["marker_is_dir"]:
-        (root / f"step_{n}" / COMPLETE_MARKER).mkdir(parents=True)
+        (step_dir(root, n) / COMPLETE_MARKER).mkdir(parents=True)
     for n in listing["as_file"]:
-        (root / f"step_{n}").write_text(COMPLETE_MARKER)
-    for n in listing["partial"]:
-        (root / f"step_{n}{PARTIAL_SUFFIX}").mkdir()
-        (root / f"step_{n}{PARTIAL_SUFFIX}" / COMPLETE_MARKER).write_text(f"step {n}\n")
+        step_dir(root, n).write_text(COMPLETE_MARKER)
+    for n in listing["partial"]:  # a step_N.partial (fnt.store.transaction)
+        partial = partial_dir(step_dir(root, n))
+        partial.mkdir()
+        (partial / COMPLETE_MARKER).write_text(f"step {n}\n")
     for name, kind in listing["unrelated"]:
         if kind == "file":
             (root / name).write_text("x")

@@ -9,7 +9,7 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fnt.evaluation import greedy_answers
+from fnt.evaluation.held_out import greedy_answers
 from fnt.model.tokenizer import stop_token_ids
 from fnt.rollout.prompts import load_prompts
 from tests.e2e.helpers import config_args, run_cli
@@ -24,7 +24,7 @@ def generated(*args: str) -> list[dict]:
 
 
 def evaluation_answers(model_dir, max_new_tokens: int) -> list[str]:
-    """The greedy answers validation gives (fnt.evaluation.greedy_answers) with the
+    """The greedy answers validation gives (fnt.evaluation.held_out.greedy_answers) with the
     model and tokenizer of a Hugging Face directory loaded by transformers itself."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

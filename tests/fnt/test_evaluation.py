@@ -26,13 +26,13 @@ from fnt.config import (
 )
 from fnt.data import load_corpus
 from fnt.distributed.runtime import setup_trainer
-from fnt.evaluation import loss_metrics, pack_in_order, rank_rows
+from fnt.evaluation import Evaluation, is_due
+from fnt.evaluation.held_out import loss_metrics, pack_in_order, rank_rows
 from fnt.model.tokenizer import stop_token_ids
 from fnt.obs.metrics import to_floats
 from fnt.rollout.prompts import load_prompts
 from fnt.rollout.rewards import ascii_letters
 from fnt.rollout.sampling import generate
-from fnt.rows import Evaluation, is_due
 from steps import rl_step, sft_step
 
 SEQ_LEN = 48

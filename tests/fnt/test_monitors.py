@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fnt.config import Config, ConfigError, validate
-from fnt.obs.console import console_line
 from fnt.obs.monitors import MONITORS, MonitorEntry, open_monitors
+from fnt.obs.monitors.console import console_line
 from fnt.obs.monitors.jsonl import JsonlMonitor, repair_metrics_, repair_rows, strict_json_line
 from fnt.store.rundir import METRICS_FILE, METRICS_MISSING_FILE, read_missing_steps, step_ranges
 from fnt.testing.strategies import metrics_files

@@ -9,7 +9,8 @@ import json
 import types
 
 from fnt.config import RLConfig
-from fnt.obs.console import console_line, rl_summary, sample_lines
+from fnt.obs.console import rl_summary
+from fnt.obs.monitors.console import console_line, sample_lines
 from fnt.obs.monitors.wandb import SAMPLE_COLUMNS, samples_table
 from fnt.rollout.environments.episodes import EpisodeSample
 from fnt.rollout.pack import RolloutSample

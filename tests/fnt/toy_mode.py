@@ -57,7 +57,7 @@ TOY = Mode(
     step="steps:sft_step",
     source="fnt.sources:sft_source",
     handles="tests.fnt.toy_mode:toy_handles",
-    eval_data="fnt.evaluation:load_eval_data",
+    eval_data="fnt.evaluation.held_out:load_eval_data",
     preflight="tests.fnt.toy_mode:check_toy_data",
     check=check_toy,
 )

@@ -50,7 +50,7 @@ MONITORS: dict[str, MonitorEntry] = {
     "wandb": MonitorEntry(
         "fnt.obs.monitors.wandb:WandbMonitor", lambda config: config.wandb.mode != "disabled"
     ),
-    "console": MonitorEntry("fnt.obs.console:ConsoleMonitor"),
+    "console": MonitorEntry("fnt.obs.monitors.console:ConsoleMonitor"),
 }
 """The built-in monitors, in the order each row reaches them."""
 

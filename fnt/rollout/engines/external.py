@@ -20,7 +20,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from fnt.batch import BadToken, DataPosition, RLBatch
 from fnt.config import RLConfig, RolloutConfig
@@ -29,16 +29,21 @@ from fnt.distributed.runtime import Runtime
 from fnt.errors import DataError
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.advantages import group_advantages
-from fnt.rollout.base import LOGPROB_SLACK, as_float32, episode_metrics, episode_sums
+from fnt.rollout.base import (
+    LOGPROB_SLACK,
+    as_float32,
+    episode_metrics,
+    episode_sums,
+    pack_share,
+    save_and_pack_,
+    share_micro_batch_count,
+)
 from fnt.rollout.pack import (
     RolloutSample,
-    micro_batch_count,
-    pack_rollouts,
     plan_micro_batches,
     single_turn,
 )
 from fnt.rollout.sampling import Completion
-from fnt.rollout.saved_samples import save_samples_
 from fnt.state import Progress, Stateless, TrainState
 from fnt.store.rundir import (
     COMPLETE_MARKER,
@@ -47,9 +52,6 @@ from fnt.store.rundir import (
     SAMPLES_FILE,
     step_dir,
 )
-
-if TYPE_CHECKING:
-    pass
 
 POLL_SECONDS = 0.05
 
@@ -472,30 +474,18 @@ class ExternalRollouts(Stateless):
             path, step, config.rollout.async_level, config.rollout.timeout_s
         )
         samples, temperature, has_logprobs, refs = read_rollouts(path, config.rollout)
-        mine = rank_samples(samples, dp_rank, dp_size, path / SAMPLES_FILE)
+        file = path / SAMPLES_FILE
+        mine = rank_samples(samples, dp_rank, dp_size, file)
         # Every rank reads every sample, so all know the most micro-batches any share needs.
-        count = max(
-            micro_batch_count(
-                [s.length for s in rank_samples(samples, r, dp_size, path / SAMPLES_FILE)],
-                seq_len=config.seq_len,
-                micro_batch_size=config.micro_batch_size,
-            )
-            for r in range(dp_size)
+        packing = dict(
+            temperature=temperature,
+            pad_token_id=self.pad_token_id,
+            num_micro_batches=max(
+                share_micro_batch_count(rank_samples(samples, r, dp_size, file), config)
+                for r in range(dp_size)
+            ),
         )
-
-        def pack(share):
-            return pack_rollouts(
-                share,
-                num_rows=config.batch_size // dp_size,
-                seq_len=config.seq_len,
-                micro_batch_size=config.micro_batch_size,
-                temperature=temperature,
-                pad_token_id=self.pad_token_id,
-                num_micro_batches=count,
-            )
-
-        save_samples_(config, runtime, step, mine, self.tokenizer)
-        micro_batches = pack(mine)
+        micro_batches = save_and_pack_(mine, step, config, runtime, self.tokenizer, **packing)
         if not has_logprobs:
             micro_batches = tuple(
                 dataclasses.replace(mb, inference_logprobs=None) for mb in micro_batches
@@ -508,7 +498,12 @@ class ExternalRollouts(Stateless):
                     'loss.ref_kl_tau > 0 with loss.ref_source = "rollouts" needs them'
                 )
             my_refs = rank_samples(refs, dp_rank, dp_size, path / SAMPLES_FILE)
-            micro_batches = with_ref_logprobs(micro_batches, mine, my_refs, pack)
+            micro_batches = with_ref_logprobs(
+                micro_batches,
+                mine,
+                my_refs,
+                lambda share: pack_share(share, config, runtime, **packing),
+            )
         return RLBatch(
             micro_batches=micro_batches,
             num_samples=len(mine),

@@ -53,6 +53,7 @@ class EpisodeRules:
     std_normalize: bool
     prompts_path: str
     name: str  # how errors name the environment: "reward 'x'" or "environment 'm:f'"
+    reward_name: str  # what scores the episodes: rollout.reward, or rollout.environment
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ def scored_samples(
         ]
         rewards = [s.reward for s in scores]
         where = kept[0].where(rules)
-        if keep_group(rewards, rules.on_bad_reward, where, rules.name.partition(" ")[2].strip("'")):
+        if keep_group(rewards, rules.on_bad_reward, where, rules.reward_name):
             advantages = group_advantages([rewards], std_normalize=rules.std_normalize)[0].tolist()
         else:
             advantages = [0.0] * len(rewards)

@@ -265,6 +265,7 @@ def test_a_bad_reward_stops_the_run_or_skips_its_group(eval_model, tokenizer, pr
             std_normalize=True,
             prompts_path="rollout.prompts",
             name="reward 'test_reward'",
+            reward_name="test_reward",
         )
         environment = SingleTurnEnvironment(reward)
         episodes = run_episodes(chosen, Turns(), environment, tokenizer, rules)

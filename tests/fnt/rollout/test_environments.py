@@ -77,6 +77,7 @@ def rules(**changes) -> EpisodeRules:
         std_normalize=True,
         prompts_path="p.jsonl",
         name="environment 'test'",
+        reward_name="test",
     )
     return EpisodeRules(**{**settings, **changes})
 

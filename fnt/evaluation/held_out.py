@@ -1,47 +1,42 @@
-"""Held-out evaluation during training (the `[val]` section): the token-weighted loss on held-out
-samples (`val.sources`) and, in RL, the mean reward of greedy answers to held-out prompts
-(`val.prompts`), over all ranks. `EvalData` is the state's `val` handle (an Evaluator); in a DPO
-run it is `PairEvalData`, the rewards and logprobs of held-out pairs (fnt.preference), which
-shares its passes over all pairs with the precomputed reference (`reference_table`: it also
-reads and writes its entry in the data cache).
+"""The held-out samples and prompts of an SFT or RL run (the `[val]` section): the token-weighted
+loss on held-out samples (`val.sources`) and, in RL, the mean reward of greedy answers to
+held-out prompts (`val.prompts`, or the environment's own), over all ranks. `EvalData` is the
+state's `val` handle (an Evaluator).
 Side effects: `load_eval_data` reads the val sources and prompts (init_state calls it before
 the model loads, so a bad file fails first). An evaluation (`EvalData.evaluate`) runs forward
 passes of the model without gradients, in eval mode and then back in the mode it was in; it
-generates on the in-process rollout engine's inference copy after loading the policy's weights
-into it (a collective under FSDP2); and it all-reduces its sums. Every rank evaluates its share
-(rows of samples, prompts), and all ranks finish an evaluation together, in that all-reduce.
-Nothing an evaluation does reaches training: no gradient, no optimizer state, no generator is
-drawn from (greedy decoding draws nothing), and the data position stays where it is.
+generates on the rollout engine's inference copy (fnt.config.engines: an engine with
+`greedy_eval`) after loading the policy's weights into it (a collective under FSDP2); and it
+all-reduces its sums. Every rank evaluates its share (rows of samples, prompts), and all ranks
+finish an evaluation together, in that all-reduce. Nothing an evaluation does reaches training:
+no gradient, no optimizer state, no generator is drawn from (greedy decoding draws nothing), and
+the data position stays where it is.
 
-Which rows get which keys is fnt.rows.Evaluation's (the driver's side of evaluation).
+Which rows get which keys is fnt.evaluation's `Evaluation` (the driver's side of evaluation).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Collection, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from fnt.batch import to_device
 from fnt.config import Config, ConfigError, RLConfig, mode_of
+from fnt.config.engines import engine_of
 from fnt.config.modes import has_val_data, held_out_prompts
 from fnt.data.corpus import Corpus
 from fnt.data.load import load_corpus
 from fnt.data.packing import pack_rows
-from fnt.data.pairs import load_pair_corpus, pack_pairs, pair_masking
-from fnt.distributed.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
+from fnt.distributed.collectives import all_reduce_sum
 from fnt.distributed.parallel import rank_share
 from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import loss_tokens_of
-from fnt.model.lora import adapters_disabled
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
-from fnt.preference import SUM_KEYS, PairLogps, needs_reference, pair_sums, sequence_sums
+from fnt.rollout.base import all_ranks_named_sums, named_reward_means, named_sums
 from fnt.rollout.environments import environment_of
 from fnt.rollout.environments.protocol import Scored, weighted_reward
 from fnt.rollout.prompts import Prompt, load_prompts, source_prompts
@@ -86,19 +81,16 @@ class EvalData(Stateless):
             )
             metrics.update(loss_metrics(loss_sum, num_tokens))
         if self.prompts:
-            from fnt.rollout.engines.in_process import InProcessEngine
-
-            if not isinstance(handles.rollouts, InProcessEngine):
+            if not engine_of(config.rollout).greedy_eval:
                 raise ConfigError(
-                    "'val.prompts' is set but the state has no in-process rollout engine, "
-                    "whose inference copy generates the greedy answers"
+                    f"'val.prompts' is set but rollout.engine = {config.rollout.engine!r} holds "
+                    "no inference copy of the policy to generate the greedy answers"
                 )
             reward_sum, count, named = eval_reward_sums(
                 handles.rollouts, handles.model, self, handles.runtime, config
             )
             metrics["reward/mean"] = reward_sum / count if count else math.nan
-            for name, (named_count, named_sum) in sorted(named.items()):
-                metrics[f"reward/{name}/mean"] = named_sum / named_count
+            metrics.update(named_reward_means(named))
         return metrics
 
 
@@ -282,26 +274,17 @@ def eval_reward_sums(
         stop_token_ids=engine.stop_token_ids,
     )
     total, count = 0.0, 0
-    named: dict[str, list[float]] = {}
+    kept: list[Scored] = []
     for prompt, ids in zip(mine, answers):
         text = data.tokenizer.decode(list(ids), skip_special_tokens=True)
         scored, name, where = held_out_score(prompt, text, data, config)
         if keep_group([scored.reward], config.rollout.on_bad_reward, where, name):
             total, count = total + scored.reward, count + 1
-            for part, value in scored.named:
-                pair = named.setdefault(part, [0.0, 0.0])
-                pair[0] += 1.0
-                pair[1] += value
+            kept.append(scored)
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=runtime.device)
     reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
-    merged: dict[str, list[float]] = {}
-    # The names may differ between ranks (each answers other prompts), so they travel as objects.
-    for rank_named in all_gather_objects(named, runtime.distributed):
-        for part, (part_count, part_sum) in rank_named.items():
-            pair = merged.setdefault(part, [0.0, 0.0])
-            pair[0] += part_count
-            pair[1] += part_sum
-    return reward_sum, count, merged
+    named = named_sums(part for scored in kept for part in scored.named)
+    return reward_sum, count, all_ranks_named_sums(named, runtime)
 
 
 def held_out_score(
@@ -322,167 +305,3 @@ def held_out_score(
         raise ValueError(f"{name} failed on {where}: {e}") from e
     weights = getattr(data.environment, "reward_weights", None) or {}
     return weighted_reward(value, weights, name, where), name, where
-
-
-# ---------------------------------------------------------------------------------------------
-# Preference pairs (fnt dpo): the held-out pairs and the precomputed reference table
-
-
-@torch.no_grad()
-def corpus_pair_logps(
-    model: nn.Module,
-    corpus: Any,
-    rows: tuple[tuple[int, ...], ...],
-    runtime: Runtime,
-    *,
-    seq_len: int,
-    micro_batch_size: int,
-    chunk_tokens: int,
-    pad_token_id: int,
-    base: bool = False,
-) -> Tensor:
-    """[num_pairs, 2] float64: the summed response logprobs of both sides of the pairs in `rows`
-    (all ranks' rows of pair ids; pairs in no row get 0), each rank computing its share in eval
-    mode, then all-reduced. `base`: with LoRA adapters off (the reference)."""
-    table = torch.zeros(corpus.num_samples, 2, dtype=torch.float64, device=runtime.device)
-    mine = rank_rows(rows, runtime.dp_rank, runtime.dims.dp, micro_batch_size)
-    with EvalMode(model), adapters_disabled(model) if base else contextlib.nullcontext():
-        for i in range(0, len(mine), micro_batch_size):
-            chunk = mine[i : i + micro_batch_size]
-            mb = pack_pairs(chunk, corpus, seq_len=seq_len, pad_token_id=pad_token_id)
-            mb = to_device(mb, runtime.device)
-            _, logprobs = forward_loss_tokens(model, mb.rows, loss_tokens_of(mb.rows), chunk_tokens)
-            ids = torch.tensor([p for row in chunk for p in row], dtype=torch.long)
-            table[ids.to(runtime.device)] += sequence_sums(logprobs.logp.double(), mb)[0]
-    return all_reduce_sum(table, runtime.distributed)
-
-
-def reference_key(config: Any, corpus: Any) -> str:
-    """The data cache's name of a corpus's reference table: a hash of the pairs' tokens and
-    masks, the reference model (its directory's fingerprint), the dtypes, the attention kernel
-    and seq_len (the rows it is computed in). Pure, apart from reading the model's index."""
-    import xxhash
-
-    from fnt.model.lora import base_fingerprint
-
-    sides = corpus.sides
-    hasher = xxhash.xxh3_128()
-    hasher.update(sides.input_ids.numpy().tobytes())
-    hasher.update(sides.target_mask.numpy().tobytes())
-    hasher.update(repr(sides.offsets).encode())
-    model = config.model
-    reference = config.dpo.ref_model or model.name
-    described = (
-        f"{base_fingerprint(reference)}/{model.dtype}/{model.compute_dtype}/"
-        f"{model.attn_implementation}/{config.seq_len}"
-    )
-    hasher.update(described.encode())
-    return f"ref-{hasher.hexdigest()}"
-
-
-def reference_table(
-    ref_model: nn.Module,
-    corpus: Any,
-    config: Any,
-    runtime: Runtime,
-    cache_dir: Optional[Path],
-    pad_token_id: int,
-) -> Tensor:
-    """[num_pairs, 2] float32: every pair's reference logprobs (chosen, rejected), read from
-    `cache_dir` when it holds them, else computed (every rank a share, `corpus_pair_logps`)
-    and, by rank 0, written there. Every rank decides alike whether to compute (an all-reduce)."""
-    entry = None
-    if cache_dir is not None:
-        entry = Path(cache_dir) / f"{reference_key(config, corpus)}.pt"
-    missing = entry is None or not entry.is_file()
-    if not all_reduce_max([float(missing)], runtime)[0]:
-        return torch.load(entry, weights_only=True).to(runtime.device)
-    rows = pack_in_order([corpus.length(p) for p in range(corpus.num_samples)], config.seq_len)
-    table = corpus_pair_logps(
-        ref_model,
-        corpus,
-        rows,
-        runtime,
-        seq_len=config.seq_len,
-        micro_batch_size=config.micro_batch_size,
-        chunk_tokens=config.model.loss_chunk_tokens,
-        pad_token_id=pad_token_id,
-        base=True,
-    ).float()
-    if entry is not None and runtime.is_main:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
-        torch.save(table.cpu(), tmp)
-        os.replace(tmp, entry)
-    return table
-
-
-# ---------------------------------------------------------------------------------------------
-# Held-out pairs
-
-
-@dataclass(frozen=True)
-class PairEvalData(Stateless):
-    """The held-out pairs (val.sources of a DPO run), packed in order, and their precomputed
-    reference logprobs when dpo.precompute_reference is on (an Evaluator)."""
-
-    corpus: Any
-    """The val pairs, tokenized and fitted (a fnt.data.pairs.PairCorpus)."""
-    rows: tuple[tuple[int, ...], ...]
-    """All ranks' rows of val pair ids, packed in order."""
-    pad_token_id: int
-    reference: Optional[Tensor] = None
-    """[num_pairs, 2] float32: the precomputed reference logprobs, or None."""
-
-    def evaluate(self, state: TrainState) -> dict[str, float]:
-        """SUM_KEYS' means over the val pairs (without the val/ prefix) for the model as `state`
-        holds it; the reference from the precomputed table, or state.handles.ref_model."""
-        config, handles = state.config, state.handles
-        options = dict(
-            seq_len=config.seq_len,
-            micro_batch_size=config.micro_batch_size,
-            chunk_tokens=config.model.loss_chunk_tokens,
-            pad_token_id=self.pad_token_id,
-        )
-        policy = corpus_pair_logps(
-            handles.model, self.corpus, self.rows, handles.runtime, **options
-        )
-        ref = self.reference
-        if ref is None and needs_reference(config.dpo):
-            if handles.ref_model is None:
-                raise ValueError("val pairs need the reference policy, and the state has none")
-            ref = corpus_pair_logps(
-                handles.ref_model, self.corpus, self.rows, handles.runtime, base=True, **options
-            )
-        ids = torch.tensor([p for row in self.rows for p in row], dtype=torch.long)
-        counts = torch.tensor(
-            [[int(self.corpus.side(p, s)[1].sum()) for s in (0, 1)] for p in ids.tolist()],
-            dtype=torch.float64,
-        ).reshape(-1, 2)
-        policy = policy.cpu().double()[ids]
-        ref = None if ref is None else ref.cpu().double()[ids]
-        pairs = PairLogps(
-            chosen=policy[:, 0],
-            rejected=policy[:, 1],
-            chosen_tokens=counts[:, 0],
-            rejected_tokens=counts[:, 1],
-            ref_chosen=None if ref is None else ref[:, 0],
-            ref_rejected=None if ref is None else ref[:, 1],
-        )
-        sums = pair_sums(pairs, config.dpo)
-        return {key: float(sums[key]) / max(len(ids), 1) for key in SUM_KEYS}
-
-
-def load_pair_eval_data(config: Any) -> PairEvalData:
-    """The val pairs of a DPO config (val.sources, with the data section's rendering and
-    overlong settings); DataError for a bad file or line."""
-    tokenizer = load_tokenizer(config.model.name)
-    corpus = load_pair_corpus(
-        config.val.sources,
-        tokenizer,
-        seq_len=config.seq_len,
-        overlong=config.data.overlong,
-        masking=pair_masking(config.data, tokenizer),
-    )
-    rows = pack_in_order([corpus.length(p) for p in range(corpus.num_samples)], config.seq_len)
-    return PairEvalData(corpus, rows, pad_token_id(tokenizer))
