@@ -8,7 +8,8 @@ checkpoint at the next step boundary, within a grace period: PreemptionWatch, wi
 its own), the watchdog that ends a torchrun worker whose launcher died, the run lock (rank 0,
 before anything in the directory is read or changed; the command line takes it earlier still,
 and then it is already held: fnt.store.rundir.run_lock nests), and the process group
-(fnt.distributed.runtime.setup_trainer).
+(fnt.distributed.runtime.setup_trainer). A failure before the first row is written leaves the
+output directory as the lock found it (fnt.store.failed_start; `log` marks the first row).
 `begin_(state)` then acts on the start state: its handles are closed at the end, config.json is
 written and the monitors opened (rank 0), and the profiler starts. Leaving undoes everything in
 the reverse order, on a normal exit, an error or a preemption alike.
@@ -32,7 +33,7 @@ from fnt.obs.console import end_summary
 from fnt.obs.monitors import open_monitors
 from fnt.obs.profiler import save_trace_, start_trace
 from fnt.state import TrainState
-from fnt.store.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock
+from fnt.store.rundir import CONFIG_FILE, make_output_dir_, rank0_run_lock, start_done
 
 # What schedulers send before they kill a job (SLURM: SIGTERM, or SIGUSR1 via --signal).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -222,6 +223,8 @@ class RunContext:
         """Write a step's row to every monitor (rank 0; metrics.jsonl first)."""
         if self.monitors is not None:
             self.monitors.log(row)
+            if self.first_row is None:  # the run has begun: a failure now is not its start's
+                start_done(self.config.output_dir)
             self.first_row = self.first_row or row
             self.last_row = row
 

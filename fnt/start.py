@@ -1,6 +1,9 @@
 """The state a run starts from. Side effects: reads the run directory, loads the start state
 (fnt.build), prints, and on rank 0 moves an abandoned trajectory aside and prunes checkpoints.
 
+Until rank 0 first changes what the directory held (`start_changing`, before a move or a
+prune), a failure leaves it as it was (fnt.store.failed_start).
+
 The decisions are fnt.resume's (`resolve_resume_step`, `reconcile_config`); this module acts on
 them: a fresh start refuses a directory that already holds another run's checkpoints or RL
 files, a resume first reconciles the config with the checkpoint's, and a run that starts at
@@ -38,6 +41,7 @@ from fnt.store.rundir import (
     move_aside_,
     prune_abandoned_,
     run_steps,
+    start_changing,
     step_dir,
     step_name,
 )
@@ -80,6 +84,7 @@ def start_state(config: Config, runtime: Runtime) -> TrainState:
     if resume_step is not None:
         state = restore_(state, step_dir(root, resume_step))
     if runtime.is_main:
+        start_changing(config.output_dir)  # a failure from here leaves a run's files as they are
         for directory in (root, Path(config.output_dir) / WEIGHTS_DIR):
             for source, target in abandon_newer_(directory, state.progress.step):
                 print(
@@ -250,6 +255,7 @@ def verified_resume_step(
             return candidate
         failed.append(step_name(candidate))
         if runtime.is_main:
+            start_changing(root.parent)
             ((_, target),) = move_aside_(root, [step_name(candidate)])
             print(
                 f"resume: checkpoint {step_name(candidate)} fails verification: "

@@ -2,7 +2,8 @@
 directories, their pruning, and the run's lock. Pure, except listing, pruning and moving step
 directories (`list_step_dirs`, `prune_steps_`, `abandon_newer_`, `move_aside_`,
 `prune_abandoned_`), reading metrics_missing.json (`read_missing_steps`), telling a run directory
-by its entries and config (`run_entries`, `is_run_config`) and the lock. Imports
+by its entries and config (`run_entries`, `is_run_config`) and the lock (which removes what a
+failed start created: fnt.store.failed_start). Imports
 nothing heavy, so the command line, preflight and `fnt inspect` use it before (or without) torch.
 
 ```
@@ -45,6 +46,7 @@ from typing import IO, Collection, Iterable, Iterator, Optional, Union
 
 from fnt.errors import ConfigError, named
 from fnt.faults import fault_point
+from fnt.store.failed_start import StartRecord, record_start, undo_start_
 from fnt.store.transaction import COMPLETE_MARKER, PARTIAL_SUFFIX, fsync_dir
 
 CONFIG_FILE = "config.json"
@@ -57,6 +59,7 @@ LOCK_FILE = "run.lock"
 CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
 ROLLOUTS_DIR = "rollouts"
+SAMPLES_DIR = "samples"
 ABANDONED_DIR = "abandoned"
 # Inside a checkpoint (besides CONFIG_FILE and the DCP shards).
 PROGRESS_FILE = "progress.json"
@@ -337,23 +340,50 @@ def lock_output_dir_(output_dir: PathLike) -> IO[str]:
 
 
 # The locks this process holds, by directory: `run_lock` nests, so the command line can take the
-# lock before its heavy imports and the driver's own `run_lock` then finds it held.
+# lock before its heavy imports and the driver's own `run_lock` then finds it held. Beside each,
+# what the directory held before (fnt.store.failed_start), undone if the start fails.
 _HELD: dict[str, IO[str]] = {}
+_STARTS: dict[str, StartRecord] = {}
 
 
 @contextlib.contextmanager
 def run_lock(output_dir: PathLike) -> Iterator[None]:
     """Hold the lock of `output_dir` (`lock_output_dir_`) for the block; inside a block of this
-    process that already holds it, do nothing."""
+    process that already holds it, do nothing. An exception out of the block before the run's
+    first row undoes what the start created in the directory (fnt.store.failed_start:
+    `start_changing`, `start_done`), still under the lock."""
     key = os.path.realpath(output_dir)
     if key in _HELD:
         yield
         return
+    own = (*RUN_ENTRIES, CONFIG_FILE, SAMPLES_DIR)
+    record = record_start(output_dir, LOCK_FILE, own, keep=(ROLLOUTS_DIR,))
     _HELD[key] = lock_output_dir_(output_dir)
+    _STARTS[key] = record
     try:
         yield
+    except BaseException:
+        undo_start_(record)
+        raise
     finally:
+        del _STARTS[key]
         _HELD.pop(key).close()
+
+
+def start_changing(output_dir: PathLike) -> None:
+    """Note that the start now changes what `output_dir` held (moves, rewrites, prunes): a
+    failure from here leaves a directory that held anything as it is. No lock held: nothing."""
+    record = _STARTS.get(os.path.realpath(output_dir))
+    if record is not None:
+        record.changing = True
+
+
+def start_done(output_dir: PathLike) -> None:
+    """Note that the run's first row is written: a failure from here is the run's, not its
+    start's, and nothing is undone. No lock held: nothing."""
+    record = _STARTS.get(os.path.realpath(output_dir))
+    if record is not None:
+        record.done = True
 
 
 def rank0_run_lock(output_dir: PathLike) -> contextlib.AbstractContextManager:

@@ -20,10 +20,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from fnt.store.rundir import PathLike, step_of
+from fnt.store.rundir import SAMPLES_DIR, PathLike, step_of
 from fnt.store.transaction import fsync_dir, write_synced_
-
-SAMPLES_DIR = "samples"
 
 SAMPLES_PER_RUN = 4
 """`rollout.log_samples_every = 0` saves the samples about this many times a run."""
