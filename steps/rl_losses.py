@@ -78,7 +78,7 @@ With log rho_t = sg(logp_t) - q_t:
                define their sequence modes; not GSPO's geometric mean), on each of its tokens
 
     is_correction  w                                      counted in
-    none           rho (today's loss, computed as before)  -
+    none           the kind's r_t or s_i: today's loss     -
     tis            min(rho, is_cap)                         loss/is_clipped_fraction: rho > is_cap
     mis            rho if low <= rho <= high, else 0        loss/is_masked_fraction: outside
                    ([low, high] = is_bounds)
