@@ -144,6 +144,48 @@ def test_the_servers_logprobs_of_its_samples_match_the_trainers(server, reverse_
     assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) < LOGPROB_ATOL
 
 
+def test_under_top_p_the_servers_logprobs_are_the_trainers_over_the_same_nucleus(
+    server, reverse_sft
+):
+    """rollout.vllm.top_p < 1: the server returns each sampled token's logprob in the truncated
+    distribution (processed_logprobs), and fnt's LM head, given the top-p, computes the same
+    over the nucleus it finds from its own logits (fnt.model.lm_head); over the full softmax it
+    would be lower. At T = 1 the SFT model is uncertain (about 2 nats a token), so the nucleus
+    of 0.8 cuts real mass."""
+    from fnt.model.lm_head import token_stats
+    from fnt.rollout.prompts import load_prompts
+
+    top_p, temperature = 0.8, 1.0
+    model_dir = reverse_sft["model"]
+    tokenizer = load_tokenizer(str(model_dir))
+    prompts = [list(p.token_ids) for p in load_prompts(str(reverse_sft["prompts"]), tokenizer)]
+    rollout = RolloutConfig(
+        group_size=8, max_new_tokens=12, temperature=temperature, vllm=VLLMConfig(top_p=top_p)
+    )
+    client = ServerClient(server, timeout_s=60, retry_s=5)
+    stops = stop_token_ids(tokenizer, str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    served, truncated, full = [], [], []
+    for prompt in prompts[:4]:
+        body = completion_request(client.served_model(), prompt, rollout, stop_token_ids=stops)
+        response = client.call("/v1/completions", body, "sampling")
+        for completion in parse_completions(
+            response, n=8, max_new_tokens=12, stop_token_ids=stops, where="the test's request"
+        ):
+            ids = torch.tensor([prompt + list(completion.token_ids)])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            targets = torch.tensor(completion.token_ids)
+            temperatures = torch.full((len(targets),), temperature)
+            top_ps = torch.full((len(targets),), top_p)
+            served.append(torch.tensor(completion.logprobs))
+            truncated.append(token_stats(logits, targets, temperatures, False, top_ps)[0])
+            full.append(token_stats(logits, targets, temperatures, False)[0])
+    served, truncated, full = torch.cat(served), torch.cat(truncated), torch.cat(full)
+    assert float((served - truncated).abs().max()) < LOGPROB_ATOL
+    assert float((served - full).abs().max()) > 0.05  # the nucleus cut mass the test can see
+
+
 def test_rl_from_vllm_trains_and_the_server_generates_from_the_new_weights(
     server, reverse_sft, tmp_path
 ):
@@ -164,6 +206,19 @@ def test_rl_from_vllm_trains_and_the_server_generates_from_the_new_weights(
     step_3 = out / "weights" / "step_3"
     assert max_logprob_gap(server, step_3, reverse_sft) < LOGPROB_ATOL
     assert max_logprob_gap(server, reverse_sft["model"], reverse_sft) > 1e-3
+
+
+def test_rl_from_vllm_with_top_p_compares_like_with_like(server, reverse_sft, tmp_path):
+    """A run with rollout.vllm.top_p = 0.8: the trainer's logprobs are over the nucleus the
+    server sampled from, so the importance ratio of every step is 1 up to rounding."""
+    out = tmp_path / "run"
+    nucleus = ("--rollout.vllm.top_p", "0.8", "--rollout.temperature", "1.0")
+    run_cli("rl", *rl_args(reverse_sft, server, out, "--max-steps", "2", *nucleus))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["mismatch_kl/all/mean"] < 1e-6 for r in rows), [
+        r["mismatch_kl/all/mean"] for r in rows
+    ]
 
 
 def test_at_two_ranks_the_gathered_policy_reaches_the_server(server, reverse_sft, tmp_path):
