@@ -9,11 +9,24 @@ the environment owns the conversation and the reward):
         and the tools, as JSON schemas, the chat template renders (None: no tools).
     respond(record, messages) -> Reply | None
         Called after every model turn with the conversation so far (the first messages, each
-        model turn as {"role": "assistant", "content": text}, each earlier reply's messages):
-        the messages that answer the turn (tool results, feedback), or None to end the episode.
+        model turn as an assistant message, below, each earlier reply's messages): the
+        messages that answer the turn (tool results, feedback), or None to end the episode.
     score(record, messages) -> float | {name: float}
         The episode's reward; named rewards are summed with the environment's `reward_weights`
         (a name it lacks weighs 1.0) and logged each as reward/{name}/mean.
+
+A model turn reaches the environment as
+    {"role": "assistant", "content": ..., "reasoning": ..., "tool_calls": [...], "text": ...}
+read in the format of the model's family (fnt.rollout.environments.parsers; rollout.tool_parser
+and rollout.reasoning_parser, "auto": the chat template's): "reasoning" is the thinking ("" when
+none), split off first; "tool_calls" are the calls written in the rest ({"type": "function",
+"function": {"name", "arguments"}}, a malformed one with an "error" saying why instead), looked
+for only when the episode's Start offered tools; "content" is the answer, what remains; "text"
+is the whole turn. A call written inside the reasoning is never among the tool_calls, so an
+environment that runs `tool_calls` never executes what the model only thought about, and a
+reward that reads `content` never credits an answer that appears only in the thinking.
+Environments written for the whole turn in "content" read "text" (or set
+rollout.reasoning_parser = "none" and rollout.tool_parser = "none").
 
 an optional method, for an environment that makes its own prompts (rollout.prompts empty):
 
@@ -23,9 +36,10 @@ an optional method, for an environment that makes its own prompts (rollout.promp
         among the training ones); the same records every call,
 
 and two optional attributes: `reward_weights` (a mapping, default {}) and
-`keep_special_tokens` (default False: a model turn's text is decoded without special tokens,
-as rewards have always seen it; True keeps them and drops only the turn's final stop token, for
-a tool-call format whose markers are special tokens).
+`keep_special_tokens` (default True: a model turn's text keeps its special tokens and drops only
+its final stop token, so `cb<|im_start|>a` is not read as "cba" and markers that are special
+tokens stay for the parsers; False decodes the turn without special tokens, as rewards saw it
+before, for an environment that asks for it).
 
 Environments must be deterministic functions of their arguments: a resumed run replays the
 episodes of a step exactly only when the same turns get the same replies.

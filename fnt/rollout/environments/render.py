@@ -55,6 +55,16 @@ def tokens_of(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def as_sampled(message: Message) -> Message:
+    """A model turn as the plain text it was sampled as (its "text",
+    fnt.rollout.environments.parsers), not its parsed parts: the rendering only needs the text
+    after the last turn, and some templates refuse parsed tool calls (Llama 3's allow one per
+    turn, Mistral's want 9-character ids)."""
+    if message.get("role") == "assistant" and "text" in message:
+        return {"role": "assistant", "content": message["text"]}
+    return message
+
+
 def reply_ids(
     tokenizer,
     messages: Sequence[Message],
@@ -66,7 +76,7 @@ def reply_ids(
     the episode continues after `reply`: the template's text from the end of the turn's content
     through the reply's messages and the generation prompt. When the turn ended with the token
     that text begins with (its end-of-turn token), that token is not repeated."""
-    marked = [*messages[:-1], {"role": "assistant", "content": TURN_MARK}]
+    marked = [*map(as_sampled, messages[:-1]), {"role": "assistant", "content": TURN_MARK}]
     closed = template_text(tokenizer, marked, tools, generation_prompt=False)
     full = template_text(tokenizer, [*marked, *reply], tools, generation_prompt=True)
     if closed.count(TURN_MARK) != 1 or full.count(TURN_MARK) != 1:

@@ -5,12 +5,14 @@ Tools: each function's JSON schema (`tool_schema`: its name, the first paragraph
 docstring, its parameters from the signature's annotations, each described by a
 "name: text" line of an "Args:" section when there is one) goes to the chat template's `tools`.
 
-Calls: the Qwen3/Hermes format, which the Qwen3 template asks for and Hermes-style templates
-share: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number per turn. A turn
-without a call is the model's answer and ends the episode. A call that is not valid JSON, names
-no known tool, has arguments the function does not take, or whose function raises becomes a
-tool message saying so, and counts as a tool error; the episode goes on. A result that is not a
-string is sent as JSON (or its str() when JSON cannot hold it).
+Calls: the turn's `tool_calls`, parsed in the format of the model's family from the answer with
+the reasoning taken out (fnt.rollout.environments.parsers: rollout.tool_parser, "auto" from the
+chat template), any number per turn; a call written inside the reasoning is never run. A turn
+without a call is the model's answer and ends the episode, scored by `reward(content, record)`,
+the answer without reasoning or calls. A call that is malformed (bad JSON, an unclosed block),
+names no known tool, has arguments the function does not take, or whose function raises becomes
+a tool message saying so, and counts as a tool error; the episode goes on. A result that is not
+a string is sent as JSON (or its str() when JSON cannot hold it).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+from fnt.rollout.environments.parsers import ToolCall, message_calls, parse_hermes
 from fnt.rollout.environments.protocol import Message, Reply, Start
 from fnt.rollout.prompts import prompt_messages
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-UNCLOSED_CALL = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
 
 JSON_TYPES = {
     int: "integer",
@@ -96,34 +98,10 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def parse_tool_calls(text: str) -> list[Union[tuple[str, dict[str, Any]], str]]:
-    """The calls of a model turn, in order: (name, arguments) for a well-formed one, an error
-    message for a malformed one (bad JSON, no name, arguments not an object, an unclosed tag)."""
-    calls: list[Union[tuple[str, dict[str, Any]], str]] = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append(f"the tool call is not valid JSON ({e.msg}): {body.strip()[:200]!r}")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            shape = '{"name": ..., "arguments": {...}}'
-            calls.append(f"a tool call needs {shape}, got {body.strip()[:200]!r}")
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some models send the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            calls.append(
-                f"the arguments of {call['name']!r} must be a JSON object, got {arguments!r}"
-            )
-            continue
-        calls.append((call["name"], arguments))
-    if UNCLOSED_CALL.search(TOOL_CALL.sub("", text)):
-        calls.append("a <tool_call> without its closing </tool_call>")
-    return calls
+    """The Hermes-format calls of a text, in order: (name, arguments) for a well-formed one, an
+    error message for a malformed one (bad JSON, no name, arguments not an object, an unclosed
+    tag). Other formats: fnt.rollout.environments.parsers.TOOL_PARSERS."""
+    return [(c.name, c.arguments) if isinstance(c, ToolCall) else c for c in parse_hermes(text)[1]]
 
 
 def _result_text(value: Any) -> str:
@@ -138,10 +116,8 @@ def _result_text(value: Any) -> str:
 class ToolEnvironment:
     """The prompt record's messages with `tools` offered; every model turn's tool calls are run
     and answered with tool messages, until a turn calls none (the answer) or a limit ends the
-    episode. The score is `reward(answer, record)`, the answer being the last turn's text
-    (a float or named rewards, as any environment's)."""
-
-    keep_special_tokens = True  # the <tool_call> markers may be special tokens
+    episode. The score is `reward(answer, record)`, the answer being the last turn's content,
+    its reasoning and calls taken out (a float or named rewards, as any environment's)."""
 
     def __init__(
         self,
@@ -179,7 +155,7 @@ class ToolEnvironment:
             return f"error: {name} raised {type(e).__name__}: {e}", True
 
     def respond(self, record: Mapping[str, Any], messages: Sequence[Message]) -> Optional[Reply]:
-        calls = parse_tool_calls(messages[-1]["content"])
+        calls = message_calls(messages[-1])
         if not calls:
             return None
         replies, errors = [], 0
@@ -187,7 +163,7 @@ class ToolEnvironment:
             if isinstance(call, str):
                 name, (text, failed) = "error", (f"error: {call}", True)
             else:
-                name, (text, failed) = call[0], self.call(*call)
+                name, (text, failed) = call.name, self.call(call.name, call.arguments)
             replies.append({"role": "tool", "name": name, "content": text})
             errors += failed
         return Reply(tuple(replies), tool_calls=len(calls), tool_errors=errors)

@@ -14,9 +14,9 @@ programs, interception server and clients are not used (they would have the mode
 HTTP and re-render conversations themselves). What comes from verifiers:
 - the prompts: the taskset's tasks, in `load()` order (a task's system prompt, then its prompt);
 - the tools: the `@vf.tool` methods of the task's and the taskset's toolsets, named as verifiers
-  advertises them (`{server}_{tool}`), called in this process in the Hermes <tool_call> format
-  of fnt's tool environment (fnt.rollout.environments.tools): a turn without a call ends the
-  episode;
+  advertises them (`{server}_{tool}`), called in this process by fnt's tool environment
+  (fnt.rollout.environments.tools) in the format of the model's family (rollout.tool_parser):
+  a turn without a call ends the episode;
 - the reward: the task's own scoring (`Task.score`: its `@vf.reward` methods and plugged
   rewards, each with its weight) over a verifiers Trace built from the episode's messages, the
   model's turns marked as sampled. Each reward is logged as reward/{name}/mean and the reward
@@ -42,8 +42,9 @@ from typing import Any, Optional
 from fnt.config import RolloutConfig
 from fnt.config.environments import environment_args, environment_kind, require_installed
 from fnt.errors import ConfigError
+from fnt.rollout.environments.parsers import ToolCall, message_calls
 from fnt.rollout.environments.protocol import Message, PromptSource, Reply, Start
-from fnt.rollout.environments.tools import TOOL_CALL, ToolEnvironment, parse_tool_calls
+from fnt.rollout.environments.tools import TOOL_CALL, ToolEnvironment
 
 
 def build(rollout: RolloutConfig) -> "VerifiersEnvironment":
@@ -192,8 +193,6 @@ class VerifiersEnvironment:
     """A verifiers taskset's tasks, tools and rewards as an fnt environment (module docstring).
     Records are {"messages": [...], "vf_task": index}; `prompt_sources("train")` gives them."""
 
-    keep_special_tokens = True  # the <tool_call> markers may be special tokens
-
     def __init__(self, taskset, taskset_id: str) -> None:
         where = f"'rollout.environment' = 'verifiers:{taskset_id}'"
         if not taskset.bounded:
@@ -260,15 +259,18 @@ class VerifiersEnvironment:
         return named
 
 
-def _assistant(vf, text: str, turn: int):
-    """A model turn as verifiers' AssistantMessage: the text without its <tool_call> blocks,
-    and the well-formed calls as ToolCalls (ids call_{turn}_{k}, as the tool messages use)."""
+def _assistant(vf, message: Message, turn: int):
+    """A model turn as verifiers' AssistantMessage: its content (the answer without reasoning
+    or calls, fnt.rollout.environments.parsers) and its well-formed calls as ToolCalls (ids
+    call_{turn}_{k}, as the tool messages use)."""
     calls = [
-        vf.ToolCall(id=f"call_{turn}_{k}", name=call[0], arguments=json.dumps(call[1]))
-        for k, call in enumerate(parse_tool_calls(text))
-        if not isinstance(call, str)
+        vf.ToolCall(id=f"call_{turn}_{k}", name=call.name, arguments=json.dumps(call.arguments))
+        for k, call in enumerate(message_calls(message))
+        if isinstance(call, ToolCall)
     ]
-    content = TOOL_CALL.sub("", text).strip() if calls else text
+    content = message["content"]
+    if "tool_calls" not in message and calls:  # a message with the calls still in its text
+        content = TOOL_CALL.sub("", content).strip()
     return vf.AssistantMessage(content=content, tool_calls=calls or None)
 
 
@@ -297,7 +299,7 @@ def episode_trace(task, messages: Sequence[Message], num_start: int, schemas):
         sampled = role == "assistant" and i >= num_start
         if sampled:
             turn, tool_index = turn + 1, 0
-            typed = _assistant(vf, text, turn)
+            typed = _assistant(vf, message, turn)
         elif role == "tool":
             typed = vf.ToolMessage(
                 tool_call_id=f"call_{turn}_{tool_index}", content=text, name=message.get("name")

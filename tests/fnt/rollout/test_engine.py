@@ -85,8 +85,10 @@ def check_logprobs_match(batch, policy, temperature: float, atol: float = 1e-5):
 
 
 def completions_with_answers(batch, prompts, tokenizer):
-    """(completion text, the prompt's record, advantage) of every packed document."""
+    """(completion text, the prompt's record, advantage) of every packed document; the text as
+    rewards read it: special tokens kept, the final stop token dropped."""
     records = {p.token_ids: p.record for p in prompts}
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
     out = []
     for mb in batch.micro_batches:
         for r, lengths in enumerate(mb.sample_lengths):
@@ -97,9 +99,12 @@ def completions_with_answers(batch, prompts, tokenizer):
                     mb.rows.loss_mask[r, t : t + length],
                 )
                 prompt = tuple(ids[~mask].tolist())
+                sampled = ids[mask].tolist()
+                if sampled and sampled[-1] in stops:
+                    sampled = sampled[:-1]
                 out.append(
                     (
-                        tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True),
+                        tokenizer.decode(sampled),
                         records[prompt],
                         float(mb.advantages[r, t]),
                     )
@@ -144,7 +149,7 @@ def test_rl_source_gives_scored_packed_rollouts_step_after_step(
         assert batch.metrics["rollout/completion_len/mean"] == loss_tokens / 16
         assert batch.metrics["time/rollout"] > 0 and batch.metrics["rollout/tokens_per_second"] > 0
         assert all(bool((mb.temperatures == 0.8).all()) for mb in batch.micro_batches)
-        # Rewards are scored on the completion text without special tokens; advantages per group.
+        # Rewards are scored on the completion text without its stop token; advantages per group.
         docs = completions_with_answers(batch, prompts, tokenizer)
         rewards = [similarity(text, record) for text, record, _ in docs]
         assert all("<|im_end|>" not in text for text, _, _ in docs)

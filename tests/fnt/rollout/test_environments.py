@@ -27,7 +27,7 @@ from fnt.rollout.environments.episodes import (
     run_episodes,
     scored_samples,
 )
-from fnt.rollout.environments.render import reply_ids, template_text
+from fnt.rollout.environments.render import as_sampled, reply_ids, template_text
 from fnt.rollout.pack import pack_rollouts
 from fnt.rollout.rewards import exact_match
 
@@ -269,13 +269,14 @@ def test_qwen3s_history_rewrite_keeps_the_sampled_context(qwen3_dir):
     episode keeps the turn exactly as sampled and trains exactly the sampled tokens."""
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     environment = FeedbackEnvironment(exact_match)
-    environment.keep_special_tokens = True  # <think> is a special token of the fixture
     turn1 = "<think>\nit is b a?\n</think>\n\nb c"
     texts = [turn1, "<think>\nno: b a\n</think>\n\nb a"]
-    record = {"prompt": "reverse: a b", "answer": "<think>\nno: b a\n</think>\n\nb a"}
+    record = {"prompt": "reverse: a b", "answer": "b a"}
     [(episode, _)], samples, _, _ = episodes_of(environment, tokenizer, texts, [record])
     sample = samples[0]
-    assert sample.turns == 2 and sample.reward == 1.0
+    assert sample.turns == 2 and sample.reward == 1.0  # the answer, its thinking apart
+    last = episode.messages[-1]
+    assert (last["content"], last["reasoning"], last["text"]) == ("b a", "no: b a", texts[1])
     text = tokenizer.decode(list(sample.token_ids))
     assert "it is b a?" in text  # the first turn's thinking stays where it was sampled
     rerendered = template_text(tokenizer, episode.messages, None, generation_prompt=False)
@@ -368,7 +369,10 @@ def test_the_tool_demos_sft_transcripts_are_the_episodes_its_environment_runs(to
     # The call is 57 byte-level tokens (the demo samples up to 64 a turn).
     run = dict(max_new_tokens=64)
     [(episode, _)], samples, _, _ = episodes_of(environment, tokenizer, texts, [record], **run)
-    assert episode.messages == transcript
+    assert [as_sampled(m) for m in episode.messages] == transcript
+    assert episode.messages[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "lookup", "arguments": {}}}
+    ]
     assert "uscd" not in tokenizer.decode(list(episode.prompt.token_ids))
     assert transcript[2]["content"] == "uscd" and transcript[3]["content"] == "dcsu"
     assert samples[0].reward == 1.0 and samples[0].turns == 2 and samples[0].tool_calls == 1
