@@ -438,6 +438,10 @@ class ReasoningGymConfig:
 
 EngineName = Literal[tuple(ENGINES)]
 """The names of the rollout engines (fnt.config.engines.ENGINES)."""
+ToolParserName = Literal[
+    "auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "glm45", "none"
+]
+"""The tool-call formats (fnt.rollout.environments.parsers.TOOL_PARSERS), and auto."""
 
 
 @dataclass_json
@@ -469,6 +473,10 @@ class RolloutConfig:
     """Tokens per episode at most, prompt, replies and sampled turns together (0: seq_len)."""
     on_truncated: Literal["score", "zero", "drop"] = "score"
     """An episode a length limit cut: scored as it is, given reward 0, or dropped from the batch."""
+    tool_parser: ToolParserName = "auto"
+    """Tool-call format of model turns (auto: the chat template's family; docs/environments.md)."""
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    """Reasoning split off a turn before tool calls: <think> blocks, none, auto (the template's)."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
     timeout_s: float = 600.0

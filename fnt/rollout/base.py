@@ -37,6 +37,7 @@ from fnt.rollout.environments.episodes import (
     run_episodes,
     scored_samples,
 )
+from fnt.rollout.environments.parsers import turn_parser
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import (
     Prompt,
@@ -107,6 +108,9 @@ class PromptRollouts:
             prompts_path=where,
             name=name,
             reward_name=rollout.environment or rollout.reward,
+            turn_parser=turn_parser(
+                self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
+            ),
         )
         # Whether an episode may have a later turn (engines keep what continues it, if so).
         self.multi_turn = rollout.max_turns > 1 and not isinstance(

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from fnt.rollout.advantages import group_advantages
+from fnt.rollout.environments.parsers import TurnParser, turn_parser
 from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
 from fnt.rollout.environments.render import reply_ids
 from fnt.rollout.pack import RolloutSample
@@ -54,6 +55,8 @@ class EpisodeRules:
     prompts_path: str
     name: str  # how errors name the environment: "reward 'x'" or "environment 'm:f'"
     reward_name: str  # what scores the episodes: rollout.reward, or rollout.environment
+    # How turns are read (rollout.tool_parser, reasoning_parser); None: "auto" for both.
+    turn_parser: Optional[TurnParser] = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ class Episode:
 
 def turn_text(tokenizer, completion: Completion, keep_special_tokens: bool) -> str:
     """A model turn as the environment reads it (fnt.rollout.environments.protocol)."""
-    if not keep_special_tokens:
+    if not keep_special_tokens:  # the environment asked for the text without them
         return tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
     ids = completion.token_ids[:-1] if completion.stopped else completion.token_ids
     return tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -131,14 +134,16 @@ def advance_(
 ) -> None:
     """Append a sampled turn to the episode, ask the environment, and append its reply's tokens
     or end the episode (module docstring)."""
+    keep = getattr(environment, "keep_special_tokens", True)
+    parser = rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None))
+    # The context's end says whether the prompt opened a reasoning block the turn starts in.
+    tail = tokenizer.decode(episode.token_ids[-8:], skip_special_tokens=False)
     episode.token_ids += completion.token_ids
     episode.sampled += [True] * len(completion.token_ids)
     episode.logprobs += completion.logprobs
     episode.turns += 1
-    keep = getattr(environment, "keep_special_tokens", False)
-    episode.messages.append(
-        {"role": "assistant", "content": turn_text(tokenizer, completion, keep)}
-    )
+    text = turn_text(tokenizer, completion, keep)
+    episode.messages.append(parser.message(text, tools=episode.prompt.tools, prompt_tail=tail))
     if not completion.stopped:
         episode.truncated, episode.running = True, False
         return
