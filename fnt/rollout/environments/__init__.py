@@ -1,6 +1,7 @@
 """RL environments: the protocol (protocol.py), the built-ins (single_turn.py, tools.py,
-feedback.py), reasoning-gym's tasks (tasks.py), the token-exact rendering of a conversation's
-next turn (render.py) and the episodes of a step run turn by turn (episodes.py). Pure, except
+feedback.py), reasoning-gym's tasks (tasks.py), model turns read per model family (parsers.py),
+the token-exact rendering of a conversation's next turn (render.py) and the episodes of a step
+run turn by turn (episodes.py). Pure, except
 that `environment_of` imports the module a "module:factory" (or a "module:function" reward)
 names and calls the factory.
 
