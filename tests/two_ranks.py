@@ -6,10 +6,11 @@ A torchrun launch costs seconds of interpreter start-up and imports on every ran
 a tiny two-rank job itself; one launch for all of them costs that once. JOBS.json is a list of
 {"name", "call": "module:function", "args": [...], "out": DIR}: every rank calls
 `function(*args)` in order, in one process group made here first (fnt's setup_trainer then
-reuses it, and teardown_trainer leaves it alone: fnt.distributed.runtime.Runtime.owns_process_group), with
-its stdout and stderr in DIR/rank{R}.log. A job that returns writes DIR/rank{R}.done. One that
-raises writes its traceback to DIR/rank{R}.error and ends the launch: the other rank may be waiting
-for it in a collective, and the jobs after it never run (their tests then say so).
+reuses it, and teardown_trainer leaves it alone:
+fnt.distributed.runtime.Runtime.owns_process_group), with its stdout and stderr in
+DIR/rank{R}.log. A job that returns writes DIR/rank{R}.done. One that raises writes its
+traceback to DIR/rank{R}.error and ends the launch: the other rank may be waiting for it in a
+collective, and the jobs after it never run (their tests then say so).
 """
 
 from __future__ import annotations

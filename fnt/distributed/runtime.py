@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from fnt.config import Config, ConfigError
+from fnt.config.parallel import ParallelDims, plan_parallel_dims, resolve_ep
 from fnt.model.moe import num_experts_of
 from fnt.optim.offload import bind_numa_
 from fnt.optim.setup import OffloadPlan, offload_plan
-from fnt.config.parallel import ParallelDims, plan_parallel_dims, resolve_ep
 
 
 def threads_per_rank(cpus_available: int, local_world_size: int) -> int:

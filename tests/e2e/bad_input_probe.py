@@ -34,7 +34,14 @@ from fnt.__main__ import main
 
 # A command that did not need them must not have imported these: torch itself, and fnt's
 # modules that build a model, start a process group or train.
-HEAVY = ("torch", "transformers", "fnt.build", "fnt.model.loading", "fnt.distributed.runtime", "fnt.loop")
+HEAVY = (
+    "torch",
+    "transformers",
+    "fnt.build",
+    "fnt.model.loading",
+    "fnt.distributed.runtime",
+    "fnt.loop",
+)
 PRELOAD = ("torch", "transformers", "peft")
 JOB_TIMEOUT_S = 120
 HASHED_BYTES = 1 << 20
