@@ -1,10 +1,10 @@
 """The errors fnt raises for bad input (and for an inference server that fails). Pure: no side
 effects.
 
-The first three are user errors, not bugs: the command line prints their message and exits with
-status 2, without a traceback. Config, data and rollout code all import them from here, so none
-of those modules has to reach into another to name them; `named` is how their messages name
-the key, option or argument they are about.
+The first three and UserCodeError are user errors, not bugs: the command line prints their
+message and exits with status 2, without fnt's traceback. Config, data and rollout code all
+import them from here, so none of those modules has to reach into another to name them; `named`
+is how their messages name the key, option or argument they are about.
 """
 
 
@@ -19,6 +19,13 @@ class DataError(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used (damaged, unreadable) or written (the disk is full); the
     message names the file or directory and what to do."""
+
+
+class UserCodeError(ValueError):
+    """The user's own function (a reward, an environment or its factory) raised or returned what
+    its protocol does not allow; the message's first line names the function, the exception or
+    value and the sample, the lines after it are the user's own frames (fnt.rollout.user_code).
+    The command line prints it after `error:` and exits with status 2, like the three above."""
 
 
 class ServerError(RuntimeError):

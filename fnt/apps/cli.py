@@ -28,7 +28,7 @@ from fnt.config import (
     to_json,
     validate,
 )
-from fnt.errors import CheckpointError, ConfigError, DataError, ServerError
+from fnt.errors import CheckpointError, ConfigError, DataError, ServerError, UserCodeError
 
 EXIT_BAD_INPUT = 2
 EXIT_SERVER_FAILED = 3
@@ -36,9 +36,9 @@ EXIT_SERVER_FAILED = 3
 
 @contextmanager
 def exit_on_bad_input() -> Iterator[None]:
-    """Turn a ConfigError, DataError or CheckpointError into `error: <message>` on stderr and
-    exit status 2; a ServerError (an inference server down after the retries) likewise into
-    status 3.
+    """Turn a ConfigError, DataError, CheckpointError or UserCodeError (the user's own reward or
+    environment failed) into `error: <message>` on stderr and exit status 2; a ServerError (an
+    inference server down after the retries) likewise into status 3.
 
     They are the user's input (or disk), not a bug, and their messages name the key or file, so a
     traceback would only bury them. Under torchrun every rank meets the same bad input, and
@@ -48,7 +48,7 @@ def exit_on_bad_input() -> Iterator[None]:
     """
     try:
         yield
-    except (ConfigError, DataError, CheckpointError) as exc:
+    except (ConfigError, DataError, CheckpointError, UserCodeError) as exc:
         exit_with(exc, EXIT_BAD_INPUT)
     except ServerError as exc:  # not the input's fault, but as plain to say
         exit_with(exc, EXIT_SERVER_FAILED)

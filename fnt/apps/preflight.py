@@ -29,7 +29,7 @@ from fnt.config.environments import environment_kind, require_installed, supplie
 from fnt.config.modes import reference_dir
 from fnt.config.references import ENVIRONMENT_SHAPE, import_function, require_function
 from fnt.config.schema import source_kind
-from fnt.errors import CheckpointError, ConfigError, DataError, named
+from fnt.errors import CheckpointError, ConfigError, DataError, UserCodeError, named
 from fnt.resume import resolve_resume_step
 from fnt.rollout.rewards import require_reward
 from fnt.store.jsonl import jsonl_records
@@ -87,10 +87,12 @@ def check_model_and_data(config: Config, model_name_source: str) -> None:
 
 def check_rollout_inputs(config: RLConfig, model_name_source: str) -> None:
     """What `fnt show-rollouts` reads: `require_model`, what runs the episodes
-    (`require_episodes`) and the first record of rollout.prompts."""
+    (`require_episodes`), the first record of rollout.prompts and the user's code on it
+    (`try_user_code`)."""
     require_model(config, model_name_source)
     require_episodes(config.rollout)
     check_first_prompt(config.rollout)
+    try_user_code(config.rollout)
 
 
 def check_first_prompt(rollout: RolloutConfig) -> None:
@@ -101,6 +103,52 @@ def check_first_prompt(rollout: RolloutConfig) -> None:
     from fnt.rollout.prompts import prompt_messages
 
     check_record(first, prompt_messages)
+
+
+def try_user_code(rollout: RolloutConfig) -> None:
+    """The user's code called once on the first record of rollout.prompts before any model is
+    built (`trial_run`): the environment factory, its start and its score,
+    or the reward on a trial completion. A UserCodeError names the function, what it raised or
+    returned and the record. Not for an integration that makes its own prompts (fnt's code)."""
+    if supplies_prompts(rollout) or environment_kind(rollout.environment).build:
+        return
+    path, line_number, record = first_record(rollout.prompts, "rollout.prompts")
+    trial_run(rollout, record, f"the prompt of line {line_number} of {path}")
+
+
+def trial_completion(record: object) -> str:
+    """The completion a reward is tried on at start-up: the record's "answer" when it is a
+    string (a right answer must score without error), else "x". Pure."""
+    answer = record.get("answer") if isinstance(record, dict) else None
+    return answer if isinstance(answer, str) and answer else "x"
+
+
+def trial_run(rollout: RolloutConfig, record: object, where: str) -> None:
+    """Call what scores the run's episodes once on `record` (the first prompt record, `where`
+    names it): rollout.environment's factory (or the single-turn environment of
+    rollout.reward), the environment's `start(record)` and its `score` of the first messages
+    followed by a trial completion (`trial_completion`). UserCodeError for a raise or a wrong
+    return; a reward's NaN passes (rollout.on_bad_reward decides about it in the run)."""
+    from fnt.rollout.environments import Start, environment_of
+    from fnt.rollout.environments.protocol import weighted_reward
+    from fnt.rollout.user_code import call_user, shown
+
+    environment, name = environment_of(rollout)
+    start = call_user(environment.start, f"{name} failed to start {where}", record)
+    if not isinstance(start, Start):
+        raise UserCodeError(
+            f"{name} (its start) returned {shown(start)} on {where}; expected a "
+            "Start(messages, tools=None) (fnt.rollout.environments.protocol)"
+        )
+    completion = trial_completion(record)
+    messages = [*start.messages, {"role": "assistant", "content": completion}]
+    what = f"{name} failed on {where} with the trial completion {shown(completion)}, at start-up"
+    value = call_user(environment.score, what, record, messages)
+    weights = getattr(environment, "reward_weights", None)
+    try:
+        weighted_reward(value, weights or {}, name, f"{where} (the trial completion, at start-up)")
+    except ValueError as e:
+        raise UserCodeError(str(e)) from None
 
 
 def require_model(config: Config, model_name_source: str) -> None:
@@ -126,12 +174,14 @@ def check_sample_data(config: Config) -> None:
 
 def check_rollout_data(config: RLConfig) -> None:
     """RL's preflight: the first record of each JSONL source of val.sources is a chat sample;
-    an engine that runs the episodes itself has what runs them (`require_episodes`) and the
-    first record of rollout.prompts."""
+    an engine that runs the episodes itself has what runs them (`require_episodes`), the first
+    record of rollout.prompts, and the user's reward or environment runs on it
+    (`try_user_code`)."""
     check_first_records(config, val_sources(config), chat_sample)
     if engine_of(config.rollout).samples_prompts:
         require_episodes(config.rollout)
         check_first_prompt(config.rollout)
+        try_user_code(config.rollout)
 
 
 def check_pair_data(config: Config) -> None:
@@ -189,8 +239,9 @@ def check_first_records(
 def require_episodes(rollout: RolloutConfig) -> None:
     """ConfigError unless what runs the episodes can be found: rollout.environment's factory
     (imported, taking the rollout config), or without one rollout.reward. A user's factory is
-    not called here (it may start tools or servers): the protocol check waits for the run; a
-    built-in integration's is (fnt.config.environments), which checks its extra and settings."""
+    called by `try_user_code`, after the first prompt record is checked; a built-in
+    integration's is called here (fnt.config.environments), which checks its extra and
+    settings."""
     kind = environment_kind(rollout.environment)
     if kind.build:  # a built-in integration: its extra installed, its settings accepted
         require_installed(kind, rollout.environment)

@@ -484,7 +484,7 @@ class RolloutConfig:
     keep_weights: int = 2
     """External and vLLM engines: published weight directories to keep (vLLM: > async_level)."""
     on_bad_reward: Literal["error", "skip"] = "error"
-    """A NaN/inf reward stops the run (error), or its group gets zero advantages (skip)."""
+    """A NaN/inf or raising reward stops the run (error), or its group gets no advantage (skip)."""
     async_level: int = 0
     """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
     publish: Literal["auto", "adapter", "merged"] = "auto"

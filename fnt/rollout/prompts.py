@@ -25,7 +25,8 @@ from typing import Any, Optional
 from fnt.batch import DataPosition
 from fnt.data.chat import check_message_list
 from fnt.data.order import SampleOrder
-from fnt.errors import DataError
+from fnt.errors import DataError, UserCodeError
+from fnt.rollout.user_code import raised
 from fnt.store.jsonl import jsonl_records
 
 
@@ -95,6 +96,17 @@ def load_prompts(
     return prompts
 
 
+def started(start: Callable[[Any], Any], record: Any, where: str) -> Any:
+    """An environment's start(record); a ValueError passes (what the record lacks: told as its
+    line), any other exception is the environment's own failure (fnt.rollout.user_code)."""
+    try:
+        return start(record)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise raised(f"the environment failed to start the prompt of {where}", e) from None
+
+
 def render_records(
     numbered: Iterable[tuple[int, Any]],
     tokenizer,
@@ -109,9 +121,11 @@ def render_records(
             if start is None:
                 messages, tools = prompt_messages(record), None
             else:
-                begun = start(record)
+                begun = started(start, record, f"{where}, line {line_number}")
                 messages, tools = list(begun.messages), begun.tools
             token_ids = render_prompt(messages, tokenizer, tools)
+        except UserCodeError:
+            raise
         except ValueError as e:
             raise DataError(f"{where}, line {line_number}: {e}") from e
         if not token_ids:

@@ -26,7 +26,8 @@ from types import MappingProxyType
 from typing import Any, Sequence
 
 from fnt.config.references import import_function, require_function
-from fnt.errors import ConfigError, named
+from fnt.errors import ConfigError, UserCodeError, named
+from fnt.rollout.user_code import call_user, shown
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -114,17 +115,16 @@ def score(
     to do with them is rollout.on_bad_reward's (`keep_group`).
 
     An error of the reward function, or a reward that is not a real number, raises a
-    ValueError naming the reward and `where` (the prompt's line in its file).
+    UserCodeError (a ValueError) naming the reward, the completion and `where` (the prompt's
+    line in its file), followed by the reward's own frames (fnt.rollout.user_code).
     """
     rewards = []
     for text in texts:
-        try:
-            value = reward_fn(text, record)
-        except Exception as e:
-            raise ValueError(f"reward {reward_name!r} failed on {where}: {e}") from e
+        what = f"reward {reward_name!r} failed on {where} (completion {shown(text)})"
+        value = call_user(reward_fn, what, text, record)
         if not isinstance(value, numbers.Real):
-            raise ValueError(
-                f"reward {reward_name!r} returned {value!r} for {text!r} on {where}; "
+            raise UserCodeError(
+                f"reward {reward_name!r} returned {shown(value)} for {shown(text)} on {where}; "
                 "expected a float"
             )
         rewards.append(float(value))

@@ -3,7 +3,7 @@ feedback.py), reasoning-gym's tasks (tasks.py), model turns read per model famil
 the token-exact rendering of a conversation's next turn (render.py) and the episodes of a step
 run turn by turn (episodes.py). Pure, except
 that `environment_of` imports the module a "module:factory" (or a "module:function" reward)
-names and calls the factory.
+names and calls the factory (whose errors are the user's: fnt.rollout.user_code).
 
 `rollout.environment = "module:factory"` names a function called once per run as
 factory(rollout_config) that returns the environment; empty is the single-turn environment
@@ -22,6 +22,7 @@ from fnt.rollout.environments.protocol import Environment, PromptSource, Reply, 
 from fnt.rollout.environments.single_turn import SingleTurnEnvironment
 from fnt.rollout.environments.tools import ToolEnvironment, parse_tool_calls, tool_schema
 from fnt.rollout.rewards import reward_function
+from fnt.rollout.user_code import call_user
 
 __all__ = [
     "Environment",
@@ -45,10 +46,11 @@ def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
     kind = environment_kind(rollout.environment)
     if kind.build:
         require_installed(kind, rollout.environment)
-        factory = import_function(kind.build, 1)
+        environment = import_function(kind.build, 1)(rollout)
     else:
         factory = require_function(rollout.environment, "rollout.environment", 1, ENVIRONMENT_SHAPE)
-    environment = factory(rollout)
+        what = f"the environment factory {rollout.environment!r} (rollout.environment) failed"
+        environment = call_user(factory, what, rollout)
     missing = [
         m for m in ("start", "respond", "score") if not callable(getattr(environment, m, None))
     ]

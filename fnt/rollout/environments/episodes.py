@@ -27,10 +27,12 @@ not part of it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from fnt.errors import UserCodeError
 from fnt.rollout.advantages import group_advantages
 from fnt.rollout.environments.parsers import TurnParser, turn_parser
 from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
@@ -39,6 +41,7 @@ from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import Prompt
 from fnt.rollout.rewards import keep_group
 from fnt.rollout.sampling import Completion
+from fnt.rollout.user_code import UserCodeRaised, call_user, shown
 
 
 @dataclass(frozen=True)
@@ -148,17 +151,13 @@ def advance_(
         episode.truncated, episode.running = True, False
         return
     record = episode.prompt.record
-    try:
-        reply = environment.respond(record, list(episode.messages))
-    except Exception as e:
-        raise ValueError(
-            f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}: {e}"
-        ) from e
+    what = f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}"
+    reply = call_user(environment.respond, what, record, list(episode.messages))
     if reply is None:
         episode.running = False
         return
     if not isinstance(reply, Reply):
-        raise ValueError(
+        raise UserCodeError(
             f"{rules.name} answered turn {episode.turns} on {episode.where(rules)} with "
             f"{type(reply).__name__}; expected a Reply or None"
         )
@@ -226,14 +225,23 @@ def run_episodes(
 
 
 def score_episode(episode: Episode, environment: Environment, rules: EpisodeRules) -> Scored:
-    """The episode's reward from the environment; ValueError naming it and the prompt."""
+    """The episode's reward from the environment; a UserCodeError naming it, the prompt and the
+    episode when it raises or returns what is not a reward. Under rollout.on_bad_reward = "skip"
+    a raise scores NaN instead, so the episode's group is skipped and counted as a bad reward."""
     where = episode.where(rules)
+    last = episode.messages[-1].get("content") if episode.messages else None
+    what = f"{rules.name} failed on {where} (episode {episode.index}, last turn {shown(last)})"
     try:
-        value = environment.score(episode.prompt.record, list(episode.messages))
-    except Exception as e:
-        raise ValueError(f"{rules.name} failed on {where}: {e}") from e
+        value = call_user(environment.score, what, episode.prompt.record, list(episode.messages))
+    except UserCodeRaised:
+        if rules.on_bad_reward == "skip":
+            return Scored(math.nan)
+        raise
     weights = getattr(environment, "reward_weights", None) or {}
-    return weighted_reward(value, weights, rules.name, where)
+    try:
+        return weighted_reward(value, weights, rules.name, where)
+    except ValueError as e:
+        raise UserCodeError(str(e)) from None
 
 
 def scored_samples(
