@@ -6,7 +6,8 @@ not fnt's), so this finds its `vllm` program (--vllm, else $FNT_VLLM, else .venv
 when it exists, else `vllm` on PATH) and runs it with the settings the engine relies on:
 - the run's model (model.name) and dtype, served at the host and port of rollout.vllm.urls[i];
 - --logprobs-mode processed_logprobs: the logprobs of the distribution it samples from (after
-  temperature), which the loss's importance ratio compares with the trainer's;
+  temperature, over the nucleus of rollout.vllm.top_p), which the loss's importance ratio
+  compares with the trainer's, computed over the same nucleus (fnt.model.lm_head);
 - --generation-config vllm: no sampling defaults from the model's generation_config.json, so
   the run's rollout settings are the only ones;
 - --max-model-len seq_len and the run's seed;
