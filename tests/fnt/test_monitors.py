@@ -340,3 +340,18 @@ def test_a_bad_monitor_reference_is_one_config_error(name, problem):
         ConfigError, match=rf"^'monitors\[0\]' = '{name}': .*{problem}.*Class\(config"
     ):
         validate(Config(monitors=(name,)), 1)
+
+
+def test_a_dpo_console_line_shows_reward_accuracy_and_margin_after_the_loss():
+    row = {
+        "step": 3,
+        "loss/mean": 0.62,
+        "rewards/accuracies": 0.75,
+        "rewards/margins": 0.4123,
+        "optim/lr": 1e-3,
+        "val/loss": 0.6,
+        "val/rewards/accuracies": 0.5,
+    }
+    parts = console_line(row, max_steps=5, elapsed=1.0, steps_done=3).split(" | ")
+    assert parts[:4] == ["step 3/5", "loss 0.6200", "acc 75%", "margin 0.412"]
+    assert "val/acc 50%" in parts

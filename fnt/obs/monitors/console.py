@@ -61,7 +61,8 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
     grad 0.83 | lr 1.00e-03 | val/loss 2.3000 | 512 tok/s | rollout 0.12 s | 0.25 s/step | eta
     0:00:01`, each part only when the row has it (len: sampled tokens per episode; cut: the
     fraction of episodes a length limit cut, max_new_tokens or max_episode_tokens; max_turns:
-    the fraction that ran out of turns, answered at rollout.max_turns). Pure."""
+    the fraction that ran out of turns, answered at rollout.max_turns); a DPO row shows `acc 75%
+    | margin 0.412` (rewards/accuracies and rewards/margins) after its loss. Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
     for key, label, spec in CONSOLE_FIELDS:
@@ -97,6 +98,9 @@ def _number(value: float, spec: str) -> str:
 CONSOLE_FIELDS = (
     ("loss/mean", "loss", ".4f"),
     ("reward/mean", "reward", ".3f"),
+    # DPO: the share of pairs whose chosen side wins, and the mean margin (TRL logs both).
+    ("rewards/accuracies", "acc", ".0%"),
+    ("rewards/margins", "margin", ".3f"),
     ("rollout/turns/mean", "turns", ".2f"),
     ("rollout/completion_len/mean", "len", ".1f"),
     ("rollout/truncated_fraction", "cut", ".0%"),
@@ -105,6 +109,7 @@ CONSOLE_FIELDS = (
     ("optim/lr", "lr", ".2e"),
     ("val/loss", "val/loss", ".4f"),
     ("val/reward/mean", "val/reward", ".3f"),
+    ("val/rewards/accuracies", "val/acc", ".0%"),
     # val.eval_on_start: the start state's, in the first row.
     ("val/start/loss", "val/start/loss", ".4f"),
     ("val/start/reward/mean", "val/start/reward", ".3f"),
