@@ -93,6 +93,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "trace_path": MAY_CHANGE,
     "trace_steps": MAY_CHANGE,
     "model.name": FIXED,
+    "model.revision": MAY_CHANGE,  # a Hub id's snapshot is what model.name records, and compares
     "model.dtype": FIXED,  # loading float32 weights into lower-precision parameters rounds them
     "model.compute_dtype": MAY_CHANGE,  # checkpoints stay float32
     "model.ac": MAY_CHANGE,

@@ -96,7 +96,11 @@ def parse_config(argv: list[str], cls: type = Config) -> tuple[Any, str]:
         if cli.print_config:
             print(to_json(config))
             sys.exit(0)
-    return config, model_name_source(cli, config.model.name)
+        source = model_name_source(cli, config.model.name)
+        from fnt.apps.hub_models import resolve_hub_models
+
+        config = resolve_hub_models(config, source)  # Hub ids to snapshot directories
+    return config, source
 
 
 def help_header(cls: type) -> str:

@@ -6,8 +6,8 @@ DIR is a checkpoint (RUN/checkpoints/step_N, LoRA ones included: loaded as `fnt 
 them, fnt.apps.export.load_trained_model) or a Hugging Face model directory. The prompts are
 rollout.prompts' records (`{"prompt": ...}` or `{"messages": [...]}`, fnt.rollout.prompts); a
 --prompt TEXT is one user message. Answers are greedy by default, through the function
-validation generates with (fnt.evaluation.held_out.greedy_answers), so they are
-the answers `val.prompts` scores; with --temperature > 0, --n sampled answers per prompt, each
+validation generates with (fnt.evaluation.held_out.greedy_answers), so they are the
+answers `val.prompts` scores; with --temperature > 0, --n sampled answers per prompt, each
 prompt drawing from a generator seeded by (--seed, its index) (fnt.rollout.sampling).
 Generation stops at the model's end-of-turn tokens or after --max-new-tokens. A prompt that
 leaves no room for --max-new-tokens in the model's context (max_position_embeddings) is an error
@@ -35,7 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--checkpoint",
         type=Path,
         required=True,
-        help="a complete RUN/checkpoints/step_N, or a Hugging Face model directory",
+        help="a complete RUN/checkpoints/step_N, a Hugging Face model directory, or a Hub id "
+        "(org/name, from the huggingface_hub cache; downloaded when missing)",
     )
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument(
@@ -66,6 +67,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     from fnt.apps.preflight import check_generate
     from fnt.config import ConfigError
+    from fnt.model.hub import hub_snapshot, is_hub_id
 
     args = parse_args(argv)
     if args.max_new_tokens < 1 or args.n < 1 or args.temperature < 0:
@@ -75,6 +77,8 @@ def main(argv: list[str]) -> None:
         )
     if args.temperature == 0 and args.n > 1:
         raise ConfigError(f"--n {args.n} needs --temperature > 0: greedy answers are all alike")
+    if is_hub_id(str(args.checkpoint)):
+        args.checkpoint = Path(hub_snapshot(str(args.checkpoint), key="--checkpoint"))
     kind = check_generate(args.checkpoint, args.prompts)
     # The prompts are rendered and measured against the model's context before its weights load.
     base, tokenizer, stops = load_tokenizer_of(args.checkpoint, kind)

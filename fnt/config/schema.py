@@ -62,7 +62,9 @@ class ModelConfig:
     """The model to train: where it is, its dtype and attention kernel."""
 
     name: str = ""
-    """Local directory of a Hugging Face causal LM, loaded with from_pretrained."""
+    """Local directory of a Hugging Face causal LM, or a Hub id (org/name) from the HF cache."""
+    revision: str = ""
+    """The Hub revision (branch, tag or commit) when model.name is a Hub id; "": main."""
     dtype: DtypeName = "float32"
     """Dtype of the model's parameters (and of compute, unless compute_dtype is lower)."""
     compute_dtype: DtypeName = "float32"
@@ -366,7 +368,7 @@ class RLLossConfig:
     ref_source: Literal["model", "rollouts"] = "model"
     """Reference logprobs from the model ref_model (model), or external samples' ref_logprobs."""
     ref_model: str = ""
-    """Directory of the reference policy (ref_source = "model"); empty means model.name."""
+    """Directory or Hub id of the reference policy (ref_source = "model"); "": model.name."""
     is_correction: ISCorrectionName = "none"
     """Sampler/trainer importance weight: none, tis (truncated), mis (masked; token: IcePop)."""
     is_level: ISLevelName = "token"
@@ -531,7 +533,7 @@ class PreferenceConfig:
     custom: str = ""
     """loss = "custom": "module:function" computing per-pair losses fn(pairs, config)."""
     ref_model: str = ""
-    """Directory of the frozen reference policy; empty means model.name (with LoRA: its base)."""
+    """Directory or Hub id of the frozen reference; "": model.name (with LoRA: its base)."""
     precompute_reference: bool = False
     """Compute the reference logprobs of every pair once, before step 1, into the data cache."""
 
