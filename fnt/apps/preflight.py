@@ -292,6 +292,14 @@ def check_export_source(checkpoint: PathLike) -> None:
             f"{named('--checkpoint', checkpoint)}: its base model {base!r} has no tokenizer "
             f"files (one of {', '.join(TOKENIZER_FILES)}), which the export copies"
         )
+    from fnt.model.directory import config_problem, tokenizer_problem
+
+    problem = config_problem(base) or tokenizer_problem(base)
+    if problem:
+        raise CheckpointError(
+            f"{named('--checkpoint', checkpoint)}: its base model {base!r} (meta.json "
+            f"model_name): {problem}"
+        )
 
 
 def export_marker(checkpoint: PathLike, dtype: Optional[str], merge: bool) -> str:

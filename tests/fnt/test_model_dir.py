@@ -141,3 +141,20 @@ def test_cli_truncated_config_is_one_line_before_transformers(model, tmp_path):
     assert "config.json is not valid JSON" in lines[0]
     assert "imported transformers: False" in proc.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoints_damaged_base_model_is_named(tiny_model_dir, tmp_path):
+    from tests.e2e.helpers import config_args, run_cli
+
+    base = Path(shutil.copytree(tiny_model_dir, tmp_path / "base"))
+    out = tmp_path / "run"
+    run_cli("sft", *config_args("examples/debug/sft.toml", base, out, "--max-steps", "1"))
+    (base / "config.json").write_text('{"model_type": "llama", ')
+    checkpoint = out / "checkpoints" / "step_1"
+    for command in ("generate", "export"):
+        extra = ("--prompt", "hi") if command == "generate" else ("--out", str(tmp_path / "hf"))
+        proc = run_cli(command, "--checkpoint", str(checkpoint), *extra, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"its base model '{base}' (meta.json model_name): config.json is not valid JSON" in (
+            proc.stderr
+        )
