@@ -16,9 +16,13 @@ class Alias:
     key: str
     note: str = ""
     value: Optional[str] = None  # what `key` takes where the name is a switch (bf16: bfloat16)
+    off: Optional[str] = None  # what `key` takes where the switch is off (fnt's default)
 
-    def hint(self) -> str:
-        """`did you mean 'KEY'? (NOTE)`, with the value when the name is a switch."""
+    def hint(self, switched_off: bool = False) -> str:
+        """`did you mean 'KEY'? (NOTE)`, with the value when the name is a switch: the off value
+        (fnt's default, which needs no key) when it was switched off (`--bf16 false`)."""
+        if switched_off and self.off is not None:
+            return f"did you mean '{self.key}' = \"{self.off}\"? (the default: leave the flag out)"
         value = f' = "{self.value}"' if self.value is not None else ""
         return f"did you mean '{self.key}'{value}?" + (f" ({self.note})" if self.note else "")
 
@@ -62,9 +66,10 @@ ALIASES: dict[str, Union[Alias, tuple[Alias, ...]]] = {
         "model.compute_dtype",
         "bfloat16 compute with float32 parameters and masters; model.dtype sets the parameters'",
         value="bfloat16",
+        off="float32",
     ),
     "torch_dtype": Alias("model.dtype"),
-    "tf32": Alias("runtime.matmul_precision", "TF32 matmuls", value="high"),
+    "tf32": Alias("runtime.matmul_precision", "TF32 matmuls", value="high", off="highest"),
     "torch_compile": Alias("model.compile"),
     "gradient_checkpointing": Alias("model.ac"),
     "save_steps": Alias("ckpt.interval"),
@@ -133,7 +138,9 @@ ALIASES: dict[str, Union[Alias, tuple[Alias, ...]]] = {
         "rollout.on_truncated", '"drop" leaves them out, "zero" scores them 0'
     ),
     "log_completions": Alias("rollout.log_samples_every"),
-    "use_vllm": Alias("rollout.engine", "fnt vllm-serve starts the servers", value="vllm"),
+    "use_vllm": Alias(
+        "rollout.engine", "fnt vllm-serve starts the servers", value="vllm", off="in_process"
+    ),
     "vllm_server_host": Alias("rollout.vllm.urls"),
     "vllm_gpu_memory_utilization": Alias("rollout.vllm.gpu_memory_utilization"),
     "vllm_importance_sampling_correction": Alias("loss.is_correction", IS_NOTE),
@@ -221,20 +228,35 @@ def _limit(text: str) -> int:
     return max(1, len(text) // 3)
 
 
-def suggest(key: str, known: list[str]) -> str:
+def _is_off(value: object) -> bool:
+    """Whether a switch's value turns it off: `--bf16 false`, `bf16 = false` in a file, 0."""
+    return isinstance(value, (bool, int, str)) and str(value).strip().lower() in (
+        "false",
+        "0",
+        "no",
+        "off",
+    )
+
+
+def suggest(key: str, known: list[str], value: object = None) -> str:
     """What the unknown-key message says after the key (`; did you mean 'optim.lr'?`), or "".
 
     The TRL/transformers tables come first: a name in ALIASES gets fnt's key (the first of its
-    keys that `known` has), one in NO_EQUIVALENT its sentence. Otherwise the candidates are the
-    known keys and the aliases' names (as their keys), ranked by the edit distance of the last
-    part, plus a section that differs: a typo of the section costs its edits, another section
-    one; a key typed without a section matches any. A candidate more than a third of the last
-    part's letters away (or a section more than a third away) is no suggestion.
+    keys that `known` has), one in NO_EQUIVALENT its sentence; a switch written off (`value`
+    false, or the name with `no_` before it, `--no_bf16`) gets the key's off value. Otherwise
+    the candidates are the known keys and the aliases' names (as their keys), ranked by the edit
+    distance of the last part, plus a section that differs: a typo of the section costs its
+    edits, another section one; a key typed without a section matches any. A candidate more than
+    a third of the last part's letters away (or a section more than a third away) is no
+    suggestion.
     """
     leaf, section = _leaf(key).replace("-", "_"), _section(key)
+    switched_off = _is_off(value)
+    if leaf.startswith("no_") and aliases_of(leaf[3:]):
+        leaf, switched_off = leaf[3:], True
     for alias in aliases_of(leaf):
         if alias.key in known:
-            return "; " + alias.hint()
+            return "; " + alias.hint(switched_off)
     if leaf in NO_EQUIVALENT:
         return f"; {NO_EQUIVALENT[leaf]}"
     candidates = [(_leaf(k), _section(k), k, 0) for k in known]

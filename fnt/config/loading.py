@@ -133,10 +133,11 @@ def _parse_cli_list(text: str) -> Any:
 # Building a config from layered sources
 
 
-def _suggest(key: str, known: list[str]) -> str:
-    """The did-you-mean of an unknown key (fnt.config.aliases.suggest: TRL's and transformers'
-    names first, then the nearest key by edit distance within its section)."""
-    return suggest(key, known)
+def _suggest(key: str, known: list[str], value: object) -> str:
+    """The did-you-mean of an unknown key given `value` (fnt.config.aliases.suggest: TRL's and
+    transformers' names first, a switch written off answered with its off value, then the
+    nearest key by edit distance within its section)."""
+    return suggest(key, known, value)
 
 
 def _normalize_key(key: str) -> str:
@@ -171,7 +172,7 @@ def _build(
                 + (("." + next(iter(flatten(raw)))) if isinstance(raw, dict) and raw else "")
             )
             raise ConfigError(
-                f"unknown key '{full}' ({sources.get(full, 'config')}){_suggest(full, known)}"
+                f"unknown key '{full}' ({sources.get(full, 'config')}){_suggest(full, known, raw)}"
             )
     kwargs = {}
     for f in dataclasses.fields(cls):

@@ -71,6 +71,11 @@ def test_an_alias_is_answered_with_fnts_key(typed, expected):
         # was: unexpected argument 'runs/x'
         (["--bf16", "--output-dir", "runs/x"], Config, "unknown key 'bf16' (command line)"),
         (["--bf16"], Config, "unknown key 'bf16'"),
+        # A switch written off gets the key's off value (was: the "on" value, bfloat16).
+        (["--bf16", "false"], Config, "'model.compute_dtype' = \"float32\"? (the default"),
+        (["--no_bf16"], Config, "'model.compute_dtype' = \"float32\"? (the default"),
+        (["--no-tf32"], Config, "'runtime.matmul_precision' = \"highest\"? (the default"),
+        (["--use_vllm", "0"], RLConfig, "'rollout.engine' = \"in_process\"? (the default"),
         # A name that means different things to DPO and GRPO: the command's key.
         (["--beta", "0.1"], DPOConfig, "did you mean 'dpo.beta'?"),
         (["--beta", "0.04"], RLConfig, "did you mean 'loss.ref_kl_tau'?"),
