@@ -363,7 +363,10 @@ def run_lock(output_dir: PathLike) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        undo_start_(record)
+        try:
+            undo_start_(record)
+        except OSError:  # best effort: the failure that ended the start is what to report
+            pass
         raise
     finally:
         del _STARTS[key]
