@@ -293,3 +293,16 @@ def test_a_micro_batch_with_a_top_p_outside_0_1_is_refused(value):
     with pytest.raises(ValueError, match=r"top_ps must be in \(0, 1\] on loss tokens"):
         bad.check()
     dataclasses.replace(mb, top_ps=torch.full(mb.temperatures.shape, 0.5)).check()
+
+
+def test_an_rl_step_over_the_nucleus_reads_nothing_back(tiny_model_dir):
+    """Finding the nucleus adds no read of the device (tests/steps/test_host_reads.py)."""
+    from steps.rl import rl_step
+    from tests.steps import test_rl_step as rl
+    from tests.steps.test_host_reads import step_reads
+
+    state = rl.make_state(tiny_model_dir)
+    rows = rl.random_rows(0)
+    batch = rl.rl_batch(rows, rl.own_logprobs(state.handles.model, rows))
+    batch = with_top_ps(batch, lambda shape: torch.full(shape, 0.7))
+    assert step_reads(rl_step, state, batch) == {}
