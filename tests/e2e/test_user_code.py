@@ -33,6 +33,10 @@ def odd_raises(completion, sample):
     return float(len(completion) % 5)
 
 
+def odd_as_text(completion, sample):
+    return "high" if len(completion) % 2 else float(len(completion) % 5)
+
+
 def broken_factory(rollout):
     return helper(rollout)
 
@@ -145,3 +149,20 @@ def test_a_reward_raising_in_training_stops_the_run_or_is_skipped_and_counted(
     rows = read_metrics(skipped)
     assert [row["step"] for row in rows] == [1, 2]
     assert sum(row["rollout/bad_rewards"] for row in rows) > 0
+
+
+@pytest.mark.parametrize("on_bad_reward", ["error", "skip"])
+def test_a_reward_returning_no_number_in_training_stops_the_run_either_way(
+    tiny_model_dir, tmp_path, user_module, on_bad_reward
+):
+    # A wrong type is a bug, not a hard sample: "skip" does not hide it.
+    reward = ("--rollout.reward", f"{NAME}:odd_as_text", "--rollout.on-bad-reward", on_bad_reward)
+    result = rl(tiny_model_dir, tmp_path / "run", *reward)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.match(
+        rf"error: reward '{NAME}:odd_as_text' returned 'high' on the prompt of line \d+ of "
+        r".*; expected a float",
+        errors[0],
+    ), errors[0]
