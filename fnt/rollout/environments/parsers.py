@@ -436,6 +436,31 @@ def turn_parser(template: Optional[str], tool: str = "auto", reasoning: str = "a
     )
 
 
+def read_turn(
+    tokenizer,
+    parser: TurnParser,
+    token_ids: Sequence[int],
+    *,
+    stopped: bool,
+    context_ids: Sequence[int] = (),
+    tools: Schemas = None,
+    keep_special_tokens: bool = True,
+) -> dict[str, Any]:
+    """The assistant message of a sampled turn `token_ids` (ended by its stop token when
+    `stopped`) after the context `context_ids`: its text decoded with the special tokens but
+    the stop token (without any when keep_special_tokens is False, the environment's choice),
+    read by `parser`. Every reader of a sampled turn goes through here, so an episode, its
+    reward and a held-out score see the same text."""
+    if keep_special_tokens:
+        ids = token_ids[:-1] if stopped else token_ids
+        text = tokenizer.decode(list(ids), skip_special_tokens=False)
+    else:
+        text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    # The context's end says whether the prompt opened a reasoning block the turn starts in.
+    tail = tokenizer.decode(list(context_ids[-8:]), skip_special_tokens=False)
+    return parser.message(text, tools=tools, prompt_tail=tail)
+
+
 def assistant_message(
     text: str, content: str, reasoning: str, calls: Sequence[Call]
 ) -> dict[str, Any]:
