@@ -81,8 +81,10 @@ class RolloutSample:
     tool_errors: int = 0
     """Of those, the ones that failed (a raising tool, a malformed call, an unknown tool)."""
     truncated: bool = False
-    """The episode ended at a limit (max_new_tokens in a turn, max_turns, max_episode_tokens)
-    rather than by a stop token and the environment."""
+    """A length limit cut the episode (max_new_tokens in a turn, max_episode_tokens)."""
+    out_of_turns: bool = False
+    """The episode's last allowed turn (rollout.max_turns) was answered: an outcome of its own,
+    not truncation."""
     policy_step: Optional[int] = None
     """The policy step (updates done) whose weights sampled it, when known."""
     named_rewards: tuple[tuple[str, float], ...] = ()

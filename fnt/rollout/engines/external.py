@@ -226,10 +226,11 @@ def _flat_sample(
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise DataError(f"{where}: '{key}' must be an integer >= 0, got {value!r}")
             facts[key] = value
-    if "truncated" in record:
-        if not isinstance(record["truncated"], bool):
-            raise DataError(f"{where}: 'truncated' must be true or false")
-        facts["truncated"] = record["truncated"]
+    for key in ("truncated", "out_of_turns"):
+        if key in record:
+            if not isinstance(record[key], bool):
+                raise DataError(f"{where}: '{key}' must be true or false")
+            facts[key] = record[key]
     sample = RolloutSample(
         token_ids=tuple(token_ids),
         sampled=tuple(mask),

@@ -35,6 +35,21 @@ def test_a_flat_line_parses_into_its_trajectory():
     assert sample.logprobs == tuple(0.0 if v is None else v for v in LOGPROBS)
     assert (sample.reward, sample.advantage, sample.turns, sample.tool_calls) == (0.5, 1.0, 2, 1)
     assert has_logprobs and temperature == 1.0 and ref == list(sample.logprobs)
+    assert not sample.truncated and not sample.out_of_turns
+
+
+def test_an_orchestrator_reports_a_length_cut_and_running_out_of_turns_apart():
+    from fnt.rollout.base import episode_metrics, episode_sums
+
+    lines = [flat(truncated=True), flat(out_of_turns=True, turns=2), flat()]
+    samples = [parse_sample(line, f"f, line {i}")[0] for i, line in enumerate(lines, 1)]
+    assert [(s.truncated, s.out_of_turns) for s in samples] == [
+        (True, False),
+        (False, True),
+        (False, False),
+    ]
+    metrics = episode_metrics(episode_sums(samples))
+    assert metrics["rollout/truncated_episodes"] == metrics["rollout/max_turns_episodes"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -57,6 +72,7 @@ def test_a_flat_line_parses_into_its_trajectory():
             r"'ref_logprobs' must be finite log-probabilities",
         ),
         ({"turns": -1}, r"'turns' must be an integer >= 0"),
+        ({"out_of_turns": 1}, r"'out_of_turns' must be true or false"),
         ({"token_ids": [5, -2, *range(7)]}, r"'token_ids'\[1\] = -2 is not a token id"),
     ],
 )
