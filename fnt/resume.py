@@ -193,6 +193,9 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.keep_weights": MAY_CHANGE,
     "rollout.on_bad_reward": MAY_CHANGE,
     "rollout.async_level": FIXED,  # which policy sampled each step's rollouts
+    # The prompt position is recorded, so a resumed run continues the stream with either value.
+    "rollout.filter_groups": MAY_CHANGE,
+    "rollout.filter_max_rounds": MAY_CHANGE,
     "rollout.publish": MAY_CHANGE,  # how the policy is written for the orchestrator
     "rollout.log_samples_every": MAY_CHANGE,  # what is shown, not what is trained
     "rollout.vllm.urls": MAY_CHANGE,  # a resumed run may use other servers

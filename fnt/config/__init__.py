@@ -13,7 +13,7 @@ so the scripts reject a bad command line within about a second.
 
 from fnt.config.engines import ENGINES, Engine, engine_of
 from fnt.config.loading import CliArgs, from_json, load_config, split_cli
-from fnt.config.modes import MODES, Mode, mode_of, validate_rollout
+from fnt.config.modes import MODES, Mode, check_filter_groups, mode_of, validate_rollout
 from fnt.config.schema import (
     CkptConfig,
     Config,
@@ -89,4 +89,5 @@ __all__ = [
     "type_name",
     "validate",
     "validate_rollout",
+    "check_filter_groups",
 ]

@@ -39,6 +39,8 @@ class Engine:
     """Its samples may carry reference logprobs (loss.ref_source = "rollouts")."""
     greedy_eval: bool = False
     """It holds an inference copy of the policy, which answers val.prompts greedily."""
+    filters_groups: bool = False
+    """It can replace groups without signal by new prompts' (rollout.filter_groups)."""
     check: Optional[Callable[[RolloutConfig], None]] = None
     """ConfigError unless its own keys can run; pure, and torch-free like all validation."""
 
@@ -103,6 +105,7 @@ ENGINES: dict[str, Engine] = {
         build="fnt.rollout.engines.in_process:InProcessEngine",
         samples_prompts=True,
         greedy_eval=True,
+        filters_groups=True,
     ),
     "external": Engine(
         summary="an orchestrator writes {output_dir}/rollouts/step_N/ and reads weights/",

@@ -118,11 +118,41 @@ def check_rl(config: RLConfig, dp: int) -> None:
         'publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use "auto"',
     )
     require(rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
+    check_filter_groups(rollout)
     engine = engine_of(rollout)
     if engine.samples_prompts:
         validate_rollout(rollout, dp_size=dp)
     if engine.check is not None:
         engine.check(rollout)
+
+
+def check_filter_groups(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.filter_groups can run with the engine and async_level. Pure.
+
+    A filtering step knows where its prompts end only once its groups are scored, so the next
+    step's prompts are not known ahead: async rollouts (which start later steps early) and
+    engines that do not sample the prompts themselves cannot filter."""
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
+
+    require(rollout.filter_max_rounds >= 2, "filter_max_rounds", "must be at least 2")
+    if not rollout.filter_groups:
+        return
+    filtering = [name for name, engine in ENGINES.items() if engine.filters_groups]
+    require(
+        engine_of(rollout).filters_groups,
+        "filter_groups",
+        f"the {rollout.engine} engine cannot filter groups (only {', '.join(filtering)} can): "
+        "turn it off, or use that engine",
+    )
+    require(
+        rollout.async_level == 0,
+        "filter_groups",
+        f"needs rollout.async_level = 0 (it is {rollout.async_level}): a filtering step's last "
+        "prompt is known only once its groups are scored, so later steps cannot start early",
+    )
 
 
 def check_dpo(config: DPOConfig, dp: int) -> None:

@@ -489,6 +489,10 @@ class RolloutConfig:
     """A NaN/inf or raising reward stops the run (error), or its group gets no advantage (skip)."""
     async_level: int = 0
     """k: step n may train on rollouts of the policy after step n-1-k (0: on-policy)."""
+    filter_groups: bool = False
+    """Replace groups whose advantages are all zero (equal rewards) with new prompts' (DAPO)."""
+    filter_max_rounds: int = 4
+    """filter_groups: sampling rounds a step takes at most; the last round's groups all train."""
     publish: Literal["auto", "adapter", "merged"] = "auto"
     """LoRA: publish the adapter or merged weights; auto: adapter (external), merged (vllm)."""
     log_samples_every: int = 0

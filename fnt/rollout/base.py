@@ -34,6 +34,7 @@ from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
     ran_out_of_turns,
+    require_turn_scores,
     run_episodes,
     scored_samples,
 )
@@ -111,7 +112,10 @@ class PromptRollouts:
             turn_parser=turn_parser(
                 self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
             ),
+            credit=rollout.credit,
+            turn_discount=rollout.turn_discount,
         )
+        require_turn_scores(self.environment, self.rules)
         # Whether an episode may have a later turn (engines keep what continues it, if so).
         self.multi_turn = rollout.max_turns > 1 and not isinstance(
             self.environment, SingleTurnEnvironment
@@ -143,6 +147,22 @@ class PromptRollouts:
         episodes = run_episodes(prompts, sampler, self.environment, self.tokenizer, self.rules)
         return scored_samples(episodes, self.environment, self.rules, policy_step)
 
+    def episode_groups(
+        self, prompts: Sequence[Prompt], sampler: TurnSampler, policy_step: Optional[int] = None
+    ) -> tuple[list[list[RolloutSample]], int]:
+        """`episodes`, kept apart by prompt: one list of samples per prompt (empty when all its
+        episodes were dropped), and how many truncated episodes were dropped."""
+        episodes = run_episodes(prompts, sampler, self.environment, self.tokenizer, self.rules)
+        groups, dropped = [], 0
+        for group in episodes:
+            # Scoring is per group, so scoring each alone gives exactly what `episodes` gives.
+            samples, group_dropped = scored_samples(
+                [group], self.environment, self.rules, policy_step
+            )
+            groups.append(samples)
+            dropped += group_dropped
+        return groups, dropped
+
     def batch(
         self,
         samples: list[RolloutSample],
@@ -153,9 +173,11 @@ class PromptRollouts:
         generation_seconds: Optional[float] = None,
         staleness: int = 0,
         dropped: int = 0,
+        extra_metrics: Optional[Mapping[str, float]] = None,
     ) -> RLBatch:
         """Pack this rank's samples of update `step` and measure them, and on a sample step
-        save every rank's as text (fnt.rollout.saved_samples): collectives when distributed."""
+        save every rank's as text (fnt.rollout.saved_samples): collectives when distributed.
+        `extra_metrics` (the same on every rank) join the batch's metrics."""
         config, runtime = self.config, self.runtime
         count = int(all_reduce_max([share_micro_batch_count(samples, config)], runtime)[0])
         micro_batches = save_and_pack_(
@@ -172,6 +194,7 @@ class PromptRollouts:
             samples, seconds, runtime, generation_seconds=generation_seconds, dropped=dropped
         )
         metrics["rollout/staleness"] = float(staleness)
+        metrics.update(extra_metrics or {})
         return RLBatch(
             micro_batches=micro_batches,
             num_samples=len(samples),
@@ -251,6 +274,27 @@ def run_prompts(
         environment.prompt_sources("train"), tokenizer, environment.start, where
     )
     return prompts, sizes, weights, where
+
+
+def has_signal(group: Sequence[RolloutSample]) -> bool:
+    """Whether a prompt's group carries a policy-gradient signal: some advantage is not zero.
+    Group-relative advantages are exactly zero when the rewards are all equal (or the group was
+    skipped for a bad reward, or one episode is left of it: fnt.rollout.advantages). Pure."""
+    return any(sample.advantage != 0.0 for sample in group)
+
+
+def filter_metrics(rounds: int, filtered: int, exhausted: int) -> dict[str, float]:
+    """The metrics of a step that filtered its groups (rollout.filter_groups). Pure.
+
+    rollout/filter_rounds: sampling rounds the step took (1: none was filtered);
+    rollout/filtered_groups: groups without signal replaced by new prompts' groups;
+    rollout/filter_exhausted_groups: groups without signal the step trains on because its
+    rounds ran out (rollout.filter_max_rounds)."""
+    return {
+        "rollout/filter_rounds": float(rounds),
+        "rollout/filtered_groups": float(filtered),
+        "rollout/filter_exhausted_groups": float(exhausted),
+    }
 
 
 def rollout_policy_step(step: int, async_level: int) -> int:

@@ -1,6 +1,7 @@
 """The in-process rollout engine. Side effects: loads an unsharded inference copy of the model,
 copies the live policy's weights into it before every rollout (a collective under FSDP2), reads
-the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed;
+the prompts file, generates, and all-reduces the rollout metrics across ranks when distributed
+(with rollout.filter_groups it also all-gathers, each round, the groups each rank still needs);
 with rollout.async_level > 0 it generates in a background thread, on a copy of its own, and the
 policies that thread still needs are part of the engine's state in every checkpoint (see
 AsyncRollouts).
@@ -18,7 +19,10 @@ One step's rollout, on every rank at the same point of the fold:
    only each episode's new tokens: its KV cache is kept from turn to turn (`ModelTurns`);
 4. each episode is scored by the environment (single-turn: rollout.reward of its completion),
    advantages are relative within the group;
-5. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
+5. with rollout.filter_groups, the groups whose advantages are all zero (equal rewards) are
+   replaced by the groups of the next prompts of the order, round after round
+   (`InProcessEngine.filtered_sample`);
+6. the samples are packed into micro-batches whose rows fit their lengths (fnt.rollout.pack),
    as many on every rank (the most any rank needs).
 Generation runs on the copy, outside FSDP2, so ranks may generate different lengths without
 their collectives getting out of step.
@@ -36,8 +40,8 @@ import torch
 from torch import nn
 
 from fnt.batch import DataPosition, RLBatch
-from fnt.config import ConfigError, RLConfig
-from fnt.distributed.collectives import full_state_dict
+from fnt.config import ConfigError, RLConfig, check_filter_groups
+from fnt.distributed.collectives import all_gather_objects, full_state_dict
 from fnt.distributed.parallel import rank_bounds, rank_share
 from fnt.distributed.runtime import Runtime
 from fnt.model.compile import compile_layers_, compiles
@@ -45,9 +49,12 @@ from fnt.model.loading import decoder_layers, load_hf_model
 from fnt.model.lora import add_adapters_, is_adapted
 from fnt.rollout.base import (
     PromptRollouts,
+    filter_metrics,
+    has_signal,
     rollout_policy_step,
 )
 from fnt.rollout.pack import RolloutSample
+from fnt.rollout.prompts import step_prompts
 from fnt.rollout.sampling import Completion, RowCache, generate, sampling_seed, turn_seed
 from fnt.state import TrainState
 
@@ -150,6 +157,7 @@ class InProcessEngine(PromptRollouts):
 
     def __init__(self, config: RLConfig, runtime: Runtime) -> None:
         super().__init__(config, runtime)
+        check_filter_groups(config.rollout)
         self.model = inference_copy(config, runtime)
         self.background = AsyncRollouts(self) if config.rollout.async_level > 0 else None
 
@@ -170,6 +178,14 @@ class InProcessEngine(PromptRollouts):
         self.order.check(position)
         started = time.perf_counter()
         self.sync_weights_(state.handles.model)
+        if self.config.rollout.filter_groups:
+            samples, dropped, after, counts = self.filtered_sample(
+                self.model, step, position, state.progress.step
+            )
+            seconds = time.perf_counter() - started
+            return self.batch(
+                samples, after, seconds, step=step, dropped=dropped, extra_metrics=counts
+            )
         samples, dropped, after = self.sample(self.model, step, position, state.progress.step)
         return self.batch(samples, after, time.perf_counter() - started, step=step, dropped=dropped)
 
@@ -190,6 +206,56 @@ class InProcessEngine(PromptRollouts):
         turns = ModelTurns(self, model, step, lo, keep_caches=self.multi_turn)
         samples, dropped = self.episodes(prompts, turns, policy_step)
         return samples, dropped, after
+
+    def filtered_sample(
+        self, model: nn.Module, step: int, position: DataPosition, policy_step: int
+    ) -> tuple[list[RolloutSample], int, DataPosition, dict[str, float]]:
+        """`sample` with rollout.filter_groups (DAPO's dynamic sampling): this rank's groups
+        with a signal (`has_signal`), the truncated episodes dropped, the position after the
+        last prompt drawn, and the step's `filter_metrics`. One all-gather per round.
+
+        Round 1 draws the step's prompts_per_step prompts exactly as `sample` does. Each later
+        round draws, from where the one before stopped, as many prompts as the ranks together
+        still need (rank r takes the r-th contiguous share, of the size it needs), and every
+        prompt's draws are seeded by its slot among all the prompts the step drew
+        (fnt.rollout.sampling), so which prompts a step draws and what they sample depend on
+        (seed, step, position) only: not on the number of ranks, nor on a resume. The last
+        round (rollout.filter_max_rounds) keeps all its groups, so the batch always has
+        prompts_per_step groups; those without signal are counted, and train with zero
+        advantages as they would unfiltered.
+        """
+        rollout, runtime = self.config.rollout, self.runtime
+        dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+        needs = [rollout.prompts_per_step // dp_size] * dp_size  # groups each rank still needs
+        samples: list[RolloutSample] = []
+        drawn = dropped = filtered = exhausted = rounds = 0
+        while sum(needs):
+            rounds += 1
+            last = rounds == rollout.filter_max_rounds
+            prompt_ids, position = step_prompts(self.order, position, sum(needs))
+            lo = sum(needs[:dp_rank])
+            mine = prompt_ids[lo : lo + needs[dp_rank]]
+            groups: list[list[RolloutSample]] = []
+            if mine:
+                turns = ModelTurns(self, model, step, drawn + lo, keep_caches=self.multi_turn)
+                groups, round_dropped = self.episode_groups(
+                    [self.prompts[i] for i in mine], turns, policy_step
+                )
+                dropped += round_dropped
+            kept = groups if last else [g for g in groups if has_signal(g)]
+            samples += [sample for group in kept for sample in group]
+            without_signal = sum(not has_signal(g) for g in groups)
+            drawn += len(prompt_ids)
+            # Every rank learns what every rank still needs: the next round's shares.
+            gathered = all_gather_objects(
+                (needs[dp_rank] - len(kept), without_signal), runtime.distributed
+            )
+            needs = [need for need, _ in gathered]
+            if last:
+                exhausted = sum(count for _, count in gathered)
+            else:
+                filtered += sum(count for _, count in gathered)
+        return samples, dropped, position, filter_metrics(rounds, filtered, exhausted)
 
     def state_dict(self) -> dict[str, Any]:
         """The policies the background jobs of a resumed run need (async_level > 0), else {}."""
