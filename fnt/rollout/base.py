@@ -112,8 +112,6 @@ class PromptRollouts:
             turn_parser=turn_parser(
                 self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
             ),
-            credit=rollout.credit,
-            turn_discount=rollout.turn_discount,
         )
         require_turn_scores(self.environment, self.rules)
         # Whether an episode may have a later turn (engines keep what continues it, if so).
