@@ -34,7 +34,6 @@ from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
     ran_out_of_turns,
-    require_turn_scores,
     run_episodes,
     scored_samples,
 )
@@ -113,7 +112,6 @@ class PromptRollouts:
                 self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
             ),
         )
-        require_turn_scores(self.environment, self.rules)
         # Whether an episode may have a later turn (engines keep what continues it, if so).
         self.multi_turn = rollout.max_turns > 1 and not isinstance(
             self.environment, SingleTurnEnvironment
