@@ -252,8 +252,9 @@ LLAMA_PYTHON_TAG = "<|python_tag|>"
 
 def parse_llama3_json(text: str, schemas: Schemas = None) -> tuple[str, list[Call]]:
     """A turn that is one or more JSON calls `{"name": ..., "parameters": {...}}` (separated by
-    ";"), possibly after <|python_tag|>. A turn that starts with "{" but is not such a call is
-    an answer (a JSON answer is still an answer); after <|python_tag|> it is a malformed call."""
+    ";"), possibly after <|python_tag|>, and any text after them. A turn that starts with "{"
+    but is not such a call is an answer (a JSON answer is still an answer); after
+    <|python_tag|> it is a malformed call."""
     stripped = text.strip()
     tagged = stripped.startswith(LLAMA_PYTHON_TAG)
     if tagged:
@@ -266,10 +267,11 @@ def parse_llama3_json(text: str, schemas: Schemas = None) -> tuple[str, list[Cal
         try:
             decoded, position = decoder.raw_decode(stripped, position)
         except json.JSONDecodeError as e:
-            if not calls and not tagged:
+            if calls:  # text after the calls is the answer's
+                return stripped[position:].strip(), calls
+            if not tagged:
                 return text, []
-            calls.append(f"the tool call is not valid JSON ({e.msg}): {_short(stripped)}")
-            return "", calls
+            return "", [f"the tool call is not valid JSON ({e.msg}): {_short(stripped)}"]
         call = _json_call(decoded, shape)
         if isinstance(call, str) and not calls and not tagged:
             return text, []

@@ -225,6 +225,8 @@ def test_the_formats_edge_cases():
         [ToolCall("f", {}), ToolCall("g", {})],
     )
     assert parse_llama3_json("<|python_tag|>{oops")[1][0].startswith("the tool call is not valid")
+    called = parse_llama3_json('{"name": "f", "parameters": {}} done')
+    assert called == ("done", [ToolCall("f", {})])
     # Mistral: the JSON list (Nemo), and the v11+ form decoded without its [ARGS] marker.
     assert parse_mistral('Hi[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]') == (
         "Hi",
