@@ -89,6 +89,7 @@ def test_the_kept_set_is_vllms(logits, top_p, target, kept):
     assert kept_set(logits, top_p, target) == kept
 
 
+@pytest.mark.numerics
 def test_the_kept_set_of_random_rows_matches_the_reference():
     """Rows of random logits (more than NUCLEUS_ROWS, so the mask is built in parts), each with
     a top-p halfway between two cumulative sums of its sorted probabilities, where float32 and
@@ -138,6 +139,7 @@ def random_case(n=9, vocab=V, seed=1):
     return logits, targets, temperatures, top_ps
 
 
+@pytest.mark.numerics
 def test_logprobs_entropies_and_gradients_match_float64_autograd_over_the_nucleus():
     logits, targets, temperatures, top_ps = random_case()
     want_logp, want_entropy, want_grad = reference_stats(logits, targets, temperatures, top_ps)
@@ -154,6 +156,7 @@ def test_logprobs_entropies_and_gradients_match_float64_autograd_over_the_nucleu
     assert torch.equal(full[:, top_ps == 1], stats[:, top_ps == 1])
 
 
+@pytest.mark.numerics
 def test_a_top_p_of_1_is_bit_for_bit_the_full_softmax():
     """Rows with top-p 1 give exactly what no top-p gives, values and gradients, also next to
     truncated rows in the same call."""
@@ -191,6 +194,7 @@ def random_top_ps(shape):
     return top_ps
 
 
+@pytest.mark.numerics
 def test_the_rl_step_with_top_p_1_is_bit_for_bit_the_step_without():
     model, rows = tiny_llama(tied=False), packed_rows(FULL, seed=5)
     batch = rl_batch(rows, 2, seed=5)
@@ -206,6 +210,7 @@ def test_the_rl_step_with_top_p_1_is_bit_for_bit_the_step_without():
     assert all(torch.equal(got_grads[k], g) for k, g in plain_grads.items())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("chunk", [3, 16])
 def test_chunked_and_full_logits_agree_over_the_nucleus(tied, chunk):
@@ -246,6 +251,7 @@ def sampler_logprobs(model, mb: RLMicroBatch) -> torch.Tensor:
     return out
 
 
+@pytest.mark.numerics
 def test_the_step_compares_the_samplers_truncated_logprobs_with_like():
     """The RL step's sampler/trainer mismatch over the nucleus: none when the sampler's logprobs
     are the truncated ones (what vLLM returns) and the micro-batches carry the top-p; large
