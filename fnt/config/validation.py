@@ -94,6 +94,12 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         "resume",
         'must be a step number >= 0, "latest", true/false or none',
     )
+    require(
+        config.data.kind == "sources" or not config.data.sources,
+        "data.kind",
+        "would train on synthetic counting sequences and leave the data.sources given unread: "
+        'set data.kind = "sources"',
+    )
     if config.data.kind == "sources":
         require(
             bool(config.data.sources),

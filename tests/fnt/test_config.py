@@ -562,6 +562,11 @@ def test_min_lr_must_not_exceed_lr(lr, min_lr):
             "'data.loss_mask'",
         ),
         (Config(max_steps=0), "'max_steps'"),
+        # data.sources under the default kind, synthetic, trained on counting sequences unread.
+        (
+            Config(data=DataConfig(sources=(DataSourceConfig(path="a.jsonl"),))),
+            """'data.kind' = 'synthetic': would train on synthetic counting sequences""",
+        ),
         (Config(seq_len=1), "'seq_len'"),
         (Config(optim=OptimConfig(lr=-1.0)), "'optim.lr'"),
         (Config(optim=OptimConfig(eps=0.0)), "'optim.eps'"),
