@@ -38,6 +38,7 @@ from fnt.rollout.environments.parsers import (
 from fnt.rollout.rewards import exact_match
 from tests.chat_fixtures import load_fixture
 
+from .conftest import rl_config, rl_state
 from .test_environments import Scripted, episodes_of, prompt_of, rules
 
 TOOL_TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "tool_templates"
@@ -323,3 +324,14 @@ def test_a_message_an_environment_made_itself_is_parsed_from_its_content():
     error = {"type": "function", "function": {"name": "", "arguments": {}}, "error": "bad"}
     assert message_calls({"role": "assistant", "content": "", "tool_calls": [error]}) == ["bad"]
     assert json.dumps(TurnParser().message("x", tools=[]))  # messages are plain JSON
+
+
+def test_the_run_reads_turns_with_the_parsers_its_config_names(policy_dir, prompts_file):
+    """rollout.tool_parser and rollout.reasoning_parser reach the episodes; "auto" is the
+    tokenizer's template's family."""
+    named = rl_state(
+        rl_config(policy_dir, prompts_file, tool_parser="glm45", reasoning_parser="none")
+    )
+    assert named.handles.rollouts.rules.turn_parser == TurnParser("glm45", "none")
+    auto = rl_state(rl_config(policy_dir, prompts_file)).handles.rollouts
+    assert auto.rules.turn_parser == turn_parser(auto.tokenizer.chat_template)
