@@ -26,7 +26,7 @@ from fnt.sources import BatchSource
 from fnt.start import start_state
 from fnt.state import TrainState
 from fnt.store.best import best_text, prune_checkpoints_
-from fnt.store.rundir import ckpt_root, complete_steps, list_step_dirs, step_name
+from fnt.store.rundir import ckpt_root, complete_steps, list_step_dirs, start_done, step_name
 
 Metrics = dict[str, Any]
 StepFn = Callable[[TrainState, Any], tuple[TrainState, Metrics]]
@@ -71,6 +71,9 @@ def run(
         rows = RowBuilder(state)  # with val.eval_on_start, evaluates the start state
         if on_state is not None:
             on_state(state)
+            # The start's weights are published: an orchestrator or inference server may be
+            # reading them, so a failure from here is the run's, and nothing of its start is undone.
+            start_done(config.output_dir)
         started = time.perf_counter()
         for state, metrics in fold(state, source, step_fn, config.max_steps - state.progress.step):
             # The step's one transfer back from the device: a step function queues its work and

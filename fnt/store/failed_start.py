@@ -12,7 +12,9 @@ driver says how far the start got:
 - `changing`: the start begins to change what was there (moves a checkpoint aside, rewrites
   config.json, prunes): from then on an existing directory that held anything is left as it
   is, since undoing would need the old files back; an empty or new one is still undone;
-- `done`: the first step's row is written: the run has begun, and nothing is undone.
+- `done`: the first step's row is written, or the start state's weights are published to the
+  rollout engine (an orchestrator or inference server may be reading them): the run has begun,
+  and nothing is undone.
 
 Only names the run writes are removed from an existing directory (`own`; new entries beneath
 them too), never another program's file that appeared meanwhile, and never `keep` (rollouts/,
