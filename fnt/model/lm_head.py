@@ -146,9 +146,10 @@ def nucleus_mask(z: Tensor, top_ps: Tensor, targets: Tensor) -> Tensor:
     order (a stable sort), so of tokens tied at the boundary the later ones are kept. vLLM's
     Triton kernel (GPUs) keeps the same set up to float rounding and which of such ties it keeps.
 
-    The target is kept also where the trainer's set misses it: the sampler kept it, and where
-    the two sets differ at all they differ by rounding at the boundary; without it the logprob
-    would be -inf."""
+    The target is kept also where the trainer's set misses it: the sampler kept it, and the two
+    sets differ only at their boundary (by rounding, or where the policy moved since it sampled,
+    rollout.async_level); without it the logprob would be -inf and the micro-batch's loss
+    non-finite."""
     kept = torch.empty(z.shape, dtype=torch.bool, device=z.device)
     for start in range(0, z.shape[0], NUCLEUS_ROWS):
         rows = slice(start, start + NUCLEUS_ROWS)
