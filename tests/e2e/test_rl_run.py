@@ -174,3 +174,50 @@ def test_a_verifiers_taskset_trains_and_resumes_exactly(policy_dir, tmp_path, ta
     run_cli("rl", *rl_args(policy_dir, resumed, *extra, "--resume", "latest"))
     keys = (*EXACT, "rollout/sampled_tokens", *sorted(named))
     assert_resumed_run_matches(full, resumed, 2, 4, keys, tmp_path)
+
+
+FILTER = (
+    "--rollout.filter-groups",
+    "true",
+    "--rollout.reward",
+    "tests.fnt.rollout.flat_reward:even_counts",  # flat for the prompts ending in an even number
+    "--ckpt.interval",
+    "2",
+)
+FILTER_KEYS = (
+    "rollout/filter_rounds",
+    "rollout/filtered_groups",
+    "rollout/filter_exhausted_groups",
+)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "nproc", [pytest.param(0, id="1rank"), pytest.param(2, id="2ranks", marks=pytest.mark.slow)]
+)
+def test_a_filtering_run_killed_with_sigkill_resumes_exactly(tiny_model_dir, tmp_path, nproc):
+    """rollout.filter_groups on the debug config with a reward that is flat for half the prompts:
+    every row counts its filtered groups and rounds, flat groups were replaced, and a run
+    SIGKILLed after step 3's update and resumed from step_2 == the uninterrupted run (the
+    prompt position a step leaves is where the next one draws). Two ranks draw and filter the
+    same prompts as one."""
+    full = tmp_path / "full"
+    run_fnt("rl", *rl_args(tiny_model_dir, full, *FILTER), nproc=nproc)
+    rows = read_metrics(full)
+    assert all(set(FILTER_KEYS) <= row.keys() for row in rows)
+    assert sum(r["rollout/filtered_groups"] for r in rows) > 0
+    assert any(r["rollout/filter_rounds"] > 1 for r in rows)
+    if nproc:
+        one_rank = tmp_path / "one_rank"
+        run_fnt("rl", *rl_args(tiny_model_dir, one_rank, *FILTER))
+        for a, b in zip(read_metrics(one_rank), rows, strict=True):
+            assert [a[k] for k in FILTER_KEYS] == [b[k] for k in FILTER_KEYS]
+
+    killed = tmp_path / "killed"
+    run_killed(
+        *rl_args(tiny_model_dir, killed, *FILTER), fault="step@3", nproc=nproc, script="rl.py"
+    )
+    assert not (killed / "checkpoints" / "step_4").is_dir()
+    run_fnt("rl", *rl_args(tiny_model_dir, killed, "--resume", "latest", *FILTER), nproc=nproc)
+    keys = (*EXACT, "rollout/sampled_tokens", *FILTER_KEYS)
+    assert_resumed_run_matches(full, killed, 0, 4, keys, tmp_path)
