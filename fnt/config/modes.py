@@ -153,6 +153,12 @@ def check_filter_groups(rollout: RolloutConfig) -> None:
         f"needs rollout.async_level = 0 (it is {rollout.async_level}): a filtering step's last "
         "prompt is known only once its groups are scored, so later steps cannot start early",
     )
+    require(
+        rollout.group_size >= 2,
+        "filter_groups",
+        "needs rollout.group_size >= 2: a group of one completion has no other to differ from "
+        "(its advantage is always 0), so every group would be filtered",
+    )
 
 
 def check_dpo(config: DPOConfig, dp: int) -> None:

@@ -127,6 +127,7 @@ def test_a_resumed_stream_draws_the_prompts_and_samples_of_the_uninterrupted_one
         (dict(engine="vllm"), "'rollout.filter_groups' = True: the vllm engine cannot filter"),
         (dict(engine="external"), "the external engine cannot filter groups"),
         (dict(filter_max_rounds=1), "'rollout.filter_max_rounds' = 1: must be at least 2"),
+        (dict(group_size=1), "'rollout.filter_groups' = True: needs rollout.group_size >= 2"),
     ],
 )
 def test_filter_settings_that_cannot_run_name_the_key(settings, message):
