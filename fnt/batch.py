@@ -175,7 +175,7 @@ class RLMicroBatch:
     """
 
     rows: PackedRows  # loss_mask: True on completion tokens
-    advantages: Tensor  # [B, T] float32, the sample's advantage repeated on its tokens
+    advantages: Tensor  # [B, T] float32, the sample's advantage on its tokens, or each turn's
     temperatures: Tensor  # [B, T] float32, the sampling temperature of token t (> 0)
     inference_logprobs: Optional[Tensor]  # [B, T] float32, log p_sampler(token t) or None
     sample_lengths: tuple[tuple[int, ...], ...]  # per row, the token count of each document

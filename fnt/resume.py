@@ -189,6 +189,8 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.tool_parser": MAY_CHANGE,  # like the environment: how turns are read
     "rollout.reasoning_parser": MAY_CHANGE,
     "rollout.std_normalize": MAY_CHANGE,
+    "rollout.credit": MAY_CHANGE,  # like std_normalize: how later steps' advantages are made
+    "rollout.turn_discount": MAY_CHANGE,
     "rollout.timeout_s": MAY_CHANGE,
     "rollout.keep_weights": MAY_CHANGE,
     "rollout.on_bad_reward": MAY_CHANGE,

@@ -146,7 +146,7 @@ class LossInputs:
     logp: Tensor  # [N] float32, differentiable: the trainer's logprob at the sampling temperature
     inference_logprobs: Optional[Tensor]  # [N] float32, the sampler's logprob, or None
     ref_logprobs: Optional[Tensor]  # [N] float32, the reference policy's logprob, or None
-    advantages: Tensor  # [N] float32, the token's sample's advantage
+    advantages: Tensor  # [N] float32, the token's sample's advantage (or its turn's)
     sample_ids: Tensor  # [N] int64 in [0, num_samples): the token's sample in this micro-batch
     num_samples: int  # samples (documents) of this micro-batch that have loss tokens
     # [N] float32 without gradient: loss.is_correction's weight w_t, which replaces the value

@@ -118,6 +118,14 @@ def check_rl(config: RLConfig, dp: int) -> None:
         'publishes LoRA adapters, but model.lora.rank = 0: set a rank, or use "auto"',
     )
     require(rollout.async_level >= 0, "rollout.async_level", "must be >= 0")
+    require(
+        rollout.credit == "episode" or engine_of(rollout).samples_prompts,
+        "rollout.credit",
+        f"the {rollout.engine} engine's samples come with their advantages; per-turn credit "
+        "needs an engine that runs the episodes ("
+        + ", ".join(name for name, e in ENGINES.items() if e.samples_prompts)
+        + ")",
+    )
     check_filter_groups(rollout)
     engine = engine_of(rollout)
     if engine.samples_prompts:
@@ -296,6 +304,17 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
             "(fnt rl --list-environments)",
         )
     require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
+    require(
+        rollout.credit == "episode" or bool(rollout.environment),
+        "credit",
+        '"turn" needs rollout.environment, one whose score_turns rewards each model turn '
+        "(docs/environments.md); rollout.reward scores whole completions only",
+    )
+    require(
+        math.isfinite(rollout.turn_discount) and 0 < rollout.turn_discount <= 1,
+        "turn_discount",
+        "must be in (0, 1]",
+    )
     require(rollout.max_episode_tokens >= 0, "max_episode_tokens", "must be >= 0 (0: seq_len)")
     require(rollout.prompts_per_step >= 1, "prompts_per_step", "must be at least 1")
     require(

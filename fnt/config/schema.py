@@ -481,6 +481,10 @@ class RolloutConfig:
     """Reasoning split off a turn before tool calls: <think> blocks, none, auto (the template's)."""
     std_normalize: bool = True
     """Divide advantages by the group's reward std (plus eps)."""
+    credit: Literal["episode", "turn"] = "episode"
+    """episode: one advantage per episode; turn: each turn's return-to-go (score_turns; rl.md)."""
+    turn_discount: float = 1.0
+    """credit = "turn": the discount of later turns' rewards in a turn's return, in (0, 1]."""
     timeout_s: float = 600.0
     """External and vLLM engines: how long to wait for a step's rollouts (vLLM: per request)."""
     keep_weights: int = 2

@@ -34,6 +34,7 @@ from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
     ran_out_of_turns,
+    require_turn_scores,
     run_episodes,
     scored_samples,
 )
@@ -111,7 +112,10 @@ class PromptRollouts:
             turn_parser=turn_parser(
                 self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
             ),
+            credit=rollout.credit,
+            turn_discount=rollout.turn_discount,
         )
+        require_turn_scores(self.environment, self.rules)
         # Whether an episode may have a later turn (engines keep what continues it, if so).
         self.multi_turn = rollout.max_turns > 1 and not isinstance(
             self.environment, SingleTurnEnvironment

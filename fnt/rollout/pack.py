@@ -2,7 +2,8 @@
 
 A sample is a token-exact trajectory (`RolloutSample`), one flat token branch: every token of
 the episode in order, a mask of the tokens the policy sampled, the sampler's logprob on each of
-those, the episode's reward and advantage, and facts about the episode (turns, tool calls,
+those, the episode's reward and advantage (or, with per-turn credit, each sampled token's
+advantage), and facts about the episode (turns, tool calls,
 truncation, the policy step that sampled it). Only sampled tokens get loss, logprobs and
 advantages in the loss; the prompt, the tool results and the feedback in between are context.
 A single-turn sample is the special case with one sampled span at the end (`single_turn`).
@@ -31,8 +32,8 @@ each other, fnt.model.attention), up to the order of float sums.
 
 Per-token values, aligned with input_ids (the value at t belongs to token t):
 - loss_mask: the sample's `sampled` mask, True on the tokens the policy sampled;
-- advantages: the document's advantage on all its tokens, 0 on padding (the loss reads it on
-  loss tokens only);
+- advantages: the document's advantage on all its tokens, or its `token_advantages` where it
+  has them (rollout.credit = "turn"), 0 on padding (the loss reads it on loss tokens only);
 - temperatures: the sampling temperature everywhere, so dividing logits by it is always defined;
 - inference_logprobs: the sampler's logprob on sampled tokens, 0 elsewhere.
 `sample_lengths` lists the documents of each row without the padding.
@@ -89,6 +90,9 @@ class RolloutSample:
     """The policy step (updates done) whose weights sampled it, when known."""
     named_rewards: tuple[tuple[str, float], ...] = ()
     """(name, value) of each named reward the environment gave, before weighting."""
+    token_advantages: Optional[tuple[float, ...]] = None
+    """[L] each token's own advantage (rollout.credit = "turn": its turn's, 0.0 on context),
+    trained in place of `advantage`; None: `advantage` on every token."""
 
     @property
     def length(self) -> int:
@@ -108,6 +112,10 @@ class RolloutSample:
             raise ValueError(
                 f"a rollout sample has {n} tokens but {len(self.sampled)} mask values and "
                 f"{len(self.logprobs)} logprobs"
+            )
+        if self.token_advantages is not None and len(self.token_advantages) != n:
+            raise ValueError(
+                f"a rollout sample has {n} tokens but {len(self.token_advantages)} token advantages"
             )
         if not n or self.sampled[0]:
             raise ValueError("a rollout sample must start with a context token (not sampled)")
@@ -276,7 +284,12 @@ def _micro_batch(
     for r, row in enumerate(rows):
         t = 0
         for s in row:
-            advantages[r, t : t + s.length] = s.advantage
+            if s.token_advantages is None:
+                advantages[r, t : t + s.length] = s.advantage
+            else:
+                advantages[r, t : t + s.length] = torch.tensor(
+                    s.token_advantages, dtype=torch.float32
+                )
             logprobs[r, t : t + s.length] = torch.tensor(s.logprobs, dtype=torch.float32)
             t += s.length
     return RLMicroBatch(

@@ -38,7 +38,8 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
     completion (the rest: the sampled turns and, in an episode, the environment's replies in
     between), decoded with their special tokens, with its reward (None when not finite) and facts,
     then what was trained: `trained`, the [start, end) offsets of the sampled spans in
-    `token_ids`, the sample's whole token sequence. Pure but for the tokenizer."""
+    `token_ids`, the sample's whole token sequence; under rollout.credit = "turn" also the
+    advantage of each trained span and the turn rewards. Pure but for the tokenizer."""
     first = sample.sampled.index(True)
     record = {
         "prompt": tokenizer.decode(list(sample.token_ids[:first])),
@@ -54,6 +55,10 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
     if sample.named_rewards:
         record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
     record["trained"] = trained_spans(sample.sampled)
+    if sample.token_advantages is not None:  # rollout.credit = "turn": one per trained span
+        record["turn_advantages"] = [sample.token_advantages[a] for a, _ in record["trained"]]
+        turn_rewards = getattr(sample, "turn_rewards", ())
+        record["turn_rewards"] = [finite_or_none(r) for r in turn_rewards]
     record["token_ids"] = list(sample.token_ids)
     return record
 

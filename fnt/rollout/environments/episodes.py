@@ -23,18 +23,27 @@ group that drops its failures trains on its successes alone); an environment tha
 an episode worth less says so in its `score`, which sees the whole conversation. A
 trajectory always ends with its last sampled token: a reply after which nothing was sampled is
 not part of it.
+
+Credit (rollout.credit): "episode" gives the episode's advantage, its reward against its
+group's (fnt.rollout.advantages.group_advantages), to every sampled token. "turn" asks the
+environment for a reward per model turn (`score_turns`, fnt.rollout.environments.protocol), adds
+the episode's score to the last turn's, and gives each turn's tokens the advantage of its
+discounted return-to-go (rollout.turn_discount) against the group's episodes
+(fnt.rollout.advantages.turn_advantages); the sample's `advantage` is then its first turn's.
+An episode zeroed by rollout.on_truncated = "zero" has all turn rewards 0, unasked.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from fnt.errors import UserCodeError
-from fnt.rollout.advantages import group_advantages
-from fnt.rollout.environments.parsers import TurnParser, read_turn, turn_parser
+from fnt.errors import ConfigError, UserCodeError
+from fnt.rollout.advantages import discounted_returns, group_advantages, turn_advantages
+from fnt.rollout.environments.parsers import TurnParser, turn_parser
 from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
 from fnt.rollout.environments.render import reply_ids
 from fnt.rollout.pack import RolloutSample
@@ -60,6 +69,8 @@ class EpisodeRules:
     reward_name: str  # what scores the episodes: rollout.reward, or rollout.environment
     # How turns are read (rollout.tool_parser, reasoning_parser); None: "auto" for both.
     turn_parser: Optional[TurnParser] = None
+    credit: str = "episode"  # rollout.credit: "episode" or "turn" (module docstring)
+    turn_discount: float = 1.0  # rollout.turn_discount, for credit "turn"
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,9 @@ class EpisodeSample(RolloutSample):
 
     out_of_turns: bool = False
     """The environment answered the last turn rollout.max_turns allows; not truncation."""
+    turn_rewards: tuple[float, ...] = ()
+    """rollout.credit = "turn": the reward of each model turn, before the score is added to
+    the last one's; () under episode credit."""
 
 
 def ran_out_of_turns(sample: RolloutSample) -> bool:
@@ -115,9 +129,19 @@ class Episode:
     out_of_turns: bool = False  # the environment answered the last allowed turn
     running: bool = True
     named: Optional[Scored] = field(default=None)
+    # [start, end) of each model turn's sampled tokens in token_ids, in turn order.
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def where(self, rules: EpisodeRules) -> str:
         return f"the prompt of line {self.prompt.line} of {rules.prompts_path}"
+
+
+def turn_text(tokenizer, completion: Completion, keep_special_tokens: bool) -> str:
+    """A model turn as the environment reads it (fnt.rollout.environments.protocol)."""
+    if not keep_special_tokens:  # the environment asked for the text without them
+        return tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
+    ids = completion.token_ids[:-1] if completion.stopped else completion.token_ids
+    return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def advance_(
@@ -129,20 +153,18 @@ def advance_(
 ) -> None:
     """Append a sampled turn to the episode, ask the environment, and append its reply's tokens
     or end the episode (module docstring)."""
-    message = read_turn(
-        tokenizer,
-        rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None)),
-        completion.token_ids,
-        stopped=completion.stopped,
-        context_ids=episode.token_ids,
-        tools=episode.prompt.tools,
-        keep_special_tokens=getattr(environment, "keep_special_tokens", True),
-    )
+    keep = getattr(environment, "keep_special_tokens", True)
+    parser = rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None))
+    # The context's end says whether the prompt opened a reasoning block the turn starts in.
+    tail = tokenizer.decode(episode.token_ids[-8:], skip_special_tokens=False)
+    start = len(episode.token_ids)
+    episode.turn_spans.append((start, start + len(completion.token_ids)))
     episode.token_ids += completion.token_ids
     episode.sampled += [True] * len(completion.token_ids)
     episode.logprobs += completion.logprobs
     episode.turns += 1
-    episode.messages.append(message)
+    text = turn_text(tokenizer, completion, keep)
+    episode.messages.append(parser.message(text, tools=episode.prompt.tools, prompt_tail=tail))
     if not completion.stopped:
         episode.truncated, episode.running = True, False
         return
@@ -240,6 +262,78 @@ def score_episode(episode: Episode, environment: Environment, rules: EpisodeRule
         raise UserCodeError(str(e)) from None
 
 
+def require_turn_scores(environment: Environment, rules: EpisodeRules) -> None:
+    """ConfigError when rollout.credit = "turn" and the environment cannot score turns (it has
+    no `score_turns` method, fnt.rollout.environments.protocol)."""
+    if rules.credit == "turn" and not callable(getattr(environment, "score_turns", None)):
+        raise ConfigError(
+            f"'rollout.credit' = 'turn': {rules.name} does not score turns; give it a method "
+            "score_turns(record, messages) returning one reward per model turn "
+            '(fnt.rollout.environments.protocol), or use rollout.credit = "episode"'
+        )
+
+
+def score_turns(episode: Episode, environment: Environment, rules: EpisodeRules) -> list[float]:
+    """The reward of each model turn of the episode from the environment's `score_turns`; a
+    UserCodeError naming it, the prompt and the episode when it raises or returns anything but
+    one real number per turn. Under rollout.on_bad_reward = "skip" a raise gives NaNs, so the
+    group is skipped as for a bad score."""
+    where = episode.where(rules)
+    what = f"{rules.name} (its score_turns) failed on {where} (episode {episode.index})"
+    try:
+        value = call_user(
+            environment.score_turns, what, episode.prompt.record, list(episode.messages)
+        )
+    except UserCodeRaised:
+        if rules.on_bad_reward == "skip":
+            return [math.nan] * episode.turns
+        raise
+    if (
+        isinstance(value, (str, bytes, Mapping))
+        or not isinstance(value, Sequence)
+        or len(value) != episode.turns
+        or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
+    ):
+        raise UserCodeError(
+            f"{rules.name} (its score_turns) returned {shown(value)} on {where} (episode "
+            f"{episode.index}); expected a list of one float per model turn ({episode.turns})"
+        )
+    return [float(v) for v in value]
+
+
+def turn_credit(
+    kept: Sequence[Episode],
+    scores: Sequence[Scored],
+    environment: Environment,
+    rules: EpisodeRules,
+) -> Optional[tuple[list[list[float]], list[list[float]]]]:
+    """Per episode of a group, its turn rewards and each turn's advantage (module docstring),
+    or None when a NaN/inf turn reward skips the group (rollout.on_bad_reward = "skip")."""
+    rewards = [
+        [0.0] * e.turns
+        if e.truncated and rules.on_truncated == "zero"
+        else score_turns(e, environment, rules)
+        for e in kept
+    ]
+    name = f"{rules.reward_name} (its score_turns)"
+    flat = [r for episode in rewards for r in episode]
+    if not keep_group(flat, rules.on_bad_reward, kept[0].where(rules), name):
+        return None
+    returns = [
+        discounted_returns([*r[:-1], r[-1] + s.reward], rules.turn_discount)
+        for r, s in zip(rewards, scores)
+    ]
+    return rewards, turn_advantages(returns, std_normalize=rules.std_normalize)
+
+
+def token_advantages(episode: Episode, advantages: Sequence[float]) -> tuple[float, ...]:
+    """Each token's advantage: its turn's on the turn's sampled tokens, 0.0 on context."""
+    values = [0.0] * len(episode.token_ids)
+    for (start, end), advantage in zip(episode.turn_spans, advantages):
+        values[start:end] = [advantage] * (end - start)
+    return tuple(values)
+
+
 def scored_samples(
     episodes: Sequence[Sequence[Episode]],
     environment: Environment,
@@ -264,7 +358,14 @@ def scored_samples(
         ]
         rewards = [s.reward for s in scores]
         where = kept[0].where(rules)
-        if keep_group(rewards, rules.on_bad_reward, where, rules.reward_name):
+        keep = keep_group(rewards, rules.on_bad_reward, where, rules.reward_name)
+        if keep and rules.credit == "turn":
+            credit = turn_credit(kept, scores, environment, rules)
+            if credit is not None:
+                samples += turn_samples(kept, scores, *credit, policy_step)
+                continue
+            keep = False
+        if keep:
             advantages = group_advantages([rewards], std_normalize=rules.std_normalize)[0].tolist()
         else:
             advantages = [0.0] * len(rewards)
@@ -286,3 +387,33 @@ def scored_samples(
             for e, s, advantage in zip(kept, scores, advantages)
         ]
     return samples, dropped
+
+
+def turn_samples(
+    kept: Sequence[Episode],
+    scores: Sequence[Scored],
+    rewards: Sequence[Sequence[float]],
+    advantages: Sequence[Sequence[float]],
+    policy_step: Optional[int],
+) -> list[EpisodeSample]:
+    """A group's samples under rollout.credit = "turn": each token trains on its turn's
+    advantage, and `advantage` is the first turn's (the whole episode's return's)."""
+    return [
+        EpisodeSample(
+            token_ids=tuple(e.token_ids),
+            sampled=tuple(e.sampled),
+            logprobs=tuple(e.logprobs),
+            reward=s.reward,
+            advantage=a[0],
+            turns=e.turns,
+            tool_calls=e.tool_calls,
+            tool_errors=e.tool_errors,
+            truncated=e.truncated,
+            policy_step=policy_step,
+            named_rewards=s.named,
+            token_advantages=token_advantages(e, a),
+            out_of_turns=e.out_of_turns,
+            turn_rewards=tuple(r),
+        )
+        for e, s, r, a in zip(kept, scores, rewards, advantages)
+    ]

@@ -24,6 +24,11 @@ class FeedbackEnvironment:
     Named rewards: "final", the last answer's reward (weight 1), and "first", the first
     answer's (weight 0: logged, not trained on), so reward/first/mean against
     reward/final/mean shows what the extra turns bought.
+
+    Turn rewards (rollout.credit = "turn", `score_turns`): each answer but the last costs its
+    shortfall from `threshold`, the hint it made necessary; the last earns the score. So a
+    right first answer is worth more than a right second one, and each turn's tokens are
+    credited for their own answer rather than for the episode's last.
     """
 
     def __init__(
@@ -51,3 +56,8 @@ class FeedbackEnvironment:
             "final": float(self.reward(answers[-1], record)),
             "first": float(self.reward(answers[0], record)),
         }
+
+    def score_turns(self, record: Mapping[str, Any], messages: Sequence[Message]) -> list[float]:
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        costs = [min(0.0, float(self.reward(a, record)) - self.threshold) for a in answers[:-1]]
+        return [*costs, 0.0]

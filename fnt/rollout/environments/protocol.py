@@ -28,12 +28,19 @@ reward that reads `content` never credits an answer that appears only in the thi
 Environments written for the whole turn in "content" read "text" (or set
 rollout.reasoning_parser = "none" and rollout.tool_parser = "none").
 
-an optional method, for an environment that makes its own prompts (rollout.prompts empty):
+two optional methods:
 
+    score_turns(record, messages) -> list[float]
+        For rollout.credit = "turn": one reward per model turn, in turn order, of the finished
+        conversation (what each turn earned on the way: a tool call that worked, progress);
+        the episode's `score` is added to the last turn's, and each turn trains on its
+        discounted return-to-go against the group's (fnt.rollout.environments.episodes). Never
+        called under rollout.credit = "episode", the default;
     prompt_sources(split) -> Sequence[PromptSource]
-        The prompt records of split "train" (what the run samples, the sources mixed by weight
-        as SFT mixes data sources, fnt.data.order) or "val" (held-out prompts for val/, never
-        among the training ones); the same records every call,
+        For an environment that makes its own prompts (rollout.prompts empty): the prompt
+        records of split "train" (what the run samples, the sources mixed by weight as SFT
+        mixes data sources, fnt.data.order) or "val" (held-out prompts for val/, never among
+        the training ones); the same records every call,
 
 and two optional attributes: `reward_weights` (a mapping, default {}) and
 `keep_special_tokens` (default True: a model turn's text keeps its special tokens and drops only
