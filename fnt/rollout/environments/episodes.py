@@ -43,7 +43,7 @@ from typing import Any, Optional, Protocol
 
 from fnt.errors import ConfigError, UserCodeError
 from fnt.rollout.advantages import discounted_returns, group_advantages, turn_advantages
-from fnt.rollout.environments.parsers import TurnParser, turn_parser
+from fnt.rollout.environments.parsers import TurnParser, read_turn, turn_parser
 from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
 from fnt.rollout.environments.render import reply_ids
 from fnt.rollout.pack import RolloutSample
@@ -136,14 +136,6 @@ class Episode:
         return f"the prompt of line {self.prompt.line} of {rules.prompts_path}"
 
 
-def turn_text(tokenizer, completion: Completion, keep_special_tokens: bool) -> str:
-    """A model turn as the environment reads it (fnt.rollout.environments.protocol)."""
-    if not keep_special_tokens:  # the environment asked for the text without them
-        return tokenizer.decode(list(completion.token_ids), skip_special_tokens=True)
-    ids = completion.token_ids[:-1] if completion.stopped else completion.token_ids
-    return tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
 def advance_(
     episode: Episode,
     completion: Completion,
@@ -153,18 +145,22 @@ def advance_(
 ) -> None:
     """Append a sampled turn to the episode, ask the environment, and append its reply's tokens
     or end the episode (module docstring)."""
-    keep = getattr(environment, "keep_special_tokens", True)
-    parser = rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None))
-    # The context's end says whether the prompt opened a reasoning block the turn starts in.
-    tail = tokenizer.decode(episode.token_ids[-8:], skip_special_tokens=False)
+    message = read_turn(
+        tokenizer,
+        rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None)),
+        completion.token_ids,
+        stopped=completion.stopped,
+        context_ids=episode.token_ids,
+        tools=episode.prompt.tools,
+        keep_special_tokens=getattr(environment, "keep_special_tokens", True),
+    )
     start = len(episode.token_ids)
     episode.turn_spans.append((start, start + len(completion.token_ids)))
     episode.token_ids += completion.token_ids
     episode.sampled += [True] * len(completion.token_ids)
     episode.logprobs += completion.logprobs
     episode.turns += 1
-    text = turn_text(tokenizer, completion, keep)
-    episode.messages.append(parser.message(text, tools=episode.prompt.tools, prompt_tail=tail))
+    episode.messages.append(message)
     if not completion.stopped:
         episode.truncated, episode.running = True, False
         return
