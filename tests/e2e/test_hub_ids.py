@@ -158,3 +158,24 @@ def test_each_node_resolves_once_and_its_ranks_take_rank_0s_commit(hub_home):
     assert waiting.returncode == 0, err1
     assert out0.strip() == out1.strip() and out0.strip().endswith(f"snapshots/{COMMIT_A}")
     shutil.rmtree(hub_home / "hub" / ".fnt-resolved")
+
+
+def test_which_names_are_hub_ids_and_every_model_key_resolves(hub_home, tmp_path, monkeypatch):
+    from fnt.apps.hub_models import resolve_hub_models
+    from fnt.config import ConfigError, RLConfig, load_config
+    from fnt.model.hub import is_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny-model").mkdir(parents=True)
+    assert is_hub_id("Qwen/Qwen3-0.6B") and is_hub_id("tiny-org/tiny-model")
+    assert not is_hub_id("runs/tiny-model")  # there: a local directory, whatever its form
+    for name in ("./a/b", "/abs/path", "a/b/c", "../a/b", "~/a/b", "a", "a/.."):
+        assert not is_hub_id(name), name
+    args = ["--model.name", REPO_ID, "--loss.ref-model", REPO_ID, "--output-dir", "out"]
+    config, _ = load_config(args, RLConfig)
+    resolved = resolve_hub_models(config)
+    snapshot = str(hub_home / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "snapshots")
+    assert resolved.model.name == resolved.loss.ref_model == f"{snapshot}/{COMMIT_A}"
+    config, _ = load_config([*args, "--model.revision", "v2"], RLConfig)
+    with pytest.raises(ConfigError, match=r"^'model.name' = 'tiny-org/tiny-model': .* at revision"):
+        resolve_hub_models(config)
