@@ -1,7 +1,8 @@
 """Command-line front end shared by the `fnt` commands. Side effects: prints, exits, reads
 the launcher's environment ($RANK, $WORLD_SIZE) and, under torchrun, writes the error line into
-$TORCHELASTIC_ERROR_FILE; parsing reads the TOML file and validation imports the modules a
-config names (fnt.config).
+$TORCHELASTIC_ERROR_FILE; parsing reads the TOML file, validation imports the modules a
+config names (fnt.config), and the Hub ids a config names are resolved in huggingface_hub's cache,
+downloaded there when missing (fnt.apps.hub_models).
 
 Parsing and validation happen before fnt imports torch or transformers (a module the config
 names for monitors, loss.custom or dpo.custom may import them itself), so a bad command line
