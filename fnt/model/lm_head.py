@@ -142,8 +142,10 @@ def nucleus_mask(z: Tensor, top_ps: Tensor, targets: Tensor) -> Tensor:
     of its CPU build and of GPUs without Triton): sort the row ascending, take the cumulative
     sum of the sorted probabilities in float32, drop the tokens whose cumulative sum is <= 1 - p
     and never the most probable one. So a token is kept when less than p of the probability
-    lies on the tokens sorted above it: the token that crosses p is kept. Ties sort in vocabulary
-    order (a stable sort), so of tokens tied at the boundary the later ones are kept. vLLM's
+    lies on the tokens sorted above it: the token that crosses p is kept. Of tokens tied at the
+    boundary, those the sort puts higher are kept: the same call as vLLM's (torch's default,
+    not stable) sorts the same row the same way on the same device type and torch build, so the
+    ties go as vLLM's do (a short row keeps vocabulary order: the later tokens are kept). vLLM's
     Triton kernel (GPUs) keeps the same set up to float rounding and which of such ties it keeps.
 
     The target is kept also where the trainer's set misses it: the sampler kept it, and the two
@@ -153,7 +155,7 @@ def nucleus_mask(z: Tensor, top_ps: Tensor, targets: Tensor) -> Tensor:
     kept = torch.empty(z.shape, dtype=torch.bool, device=z.device)
     for start in range(0, z.shape[0], NUCLEUS_ROWS):
         rows = slice(start, start + NUCLEUS_ROWS)
-        ascending, order = z[rows].sort(dim=-1, stable=True)
+        ascending, order = z[rows].sort(dim=-1)  # vLLM's call, so ties go as its do
         mass_so_far = ascending.softmax(dim=-1).cumsum_(dim=-1)
         dropped = mass_so_far <= (1 - top_ps[rows])[:, None]
         dropped[:, -1] = False

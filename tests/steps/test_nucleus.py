@@ -41,9 +41,11 @@ from .test_lm_head import (
 
 def reference_nucleus(logits: list[float], top_p: float, target: int) -> set[int]:
     """The kept tokens in float64, the rule read the other way round from vLLM's ascending
-    cumulative sum: rank the tokens by probability, the later index first among equals (vLLM's
-    ascending sort puts the earlier one lower), and keep a token while less than top_p of the
-    probability lies on the tokens ranked before it; the target always."""
+    cumulative sum: rank the tokens by probability, the later index first among equals (where
+    torch's sort keeps vocabulary order, as in a short row, vLLM's ascending sort puts the
+    earlier one lower), and keep a token while less than top_p of the probability lies on the
+    tokens ranked before it; the target always. Ties in long rows: tests/e2e/test_vllm_nucleus.py
+    compares with vLLM's own function."""
     if top_p >= 1:
         return set(range(len(logits)))
     probs = torch.tensor(logits, dtype=torch.float64).softmax(-1).tolist()
