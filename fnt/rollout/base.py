@@ -277,10 +277,16 @@ def run_prompts(
 
 
 def has_signal(group: Sequence[RolloutSample]) -> bool:
-    """Whether a prompt's group carries a policy-gradient signal: some advantage is not zero.
+    """Whether a prompt's group carries a policy-gradient signal: some advantage a sample trains
+    on is not zero (its `token_advantages` with rollout.credit = "turn", else its `advantage`).
     Group-relative advantages are exactly zero when the rewards are all equal (or the group was
     skipped for a bad reward, or one episode is left of it: fnt.rollout.advantages). Pure."""
-    return any(sample.advantage != 0.0 for sample in group)
+    return any(
+        sample.advantage != 0.0
+        if sample.token_advantages is None
+        else any(a != 0.0 for a in sample.token_advantages)
+        for sample in group
+    )
 
 
 def filter_metrics(rounds: int, filtered: int, exhausted: int) -> dict[str, float]:

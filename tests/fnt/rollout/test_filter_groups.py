@@ -11,6 +11,7 @@ import pytest
 from fnt.batch import DataPosition
 from fnt.config import ConfigError, RolloutConfig, check_filter_groups
 from fnt.rollout.base import has_signal
+from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import step_prompts
 from fnt.sources import rl_source
 from fnt.state import Progress
@@ -50,6 +51,25 @@ def expected_rounds(engine, position, max_rounds, flat):
         filtered += without_signal
         need = without_signal
     return rounds, filtered, 0, position
+
+
+def test_a_group_has_a_signal_when_any_advantage_it_trains_on_is_not_zero():
+    def sample(advantage, token_advantages=None):
+        return RolloutSample(
+            token_ids=(5, 6, 7),
+            sampled=(False, True, True),
+            logprobs=(0.0, -1.0, -1.0),
+            reward=1.0,
+            advantage=advantage,
+            token_advantages=token_advantages,
+        )
+
+    assert not has_signal([sample(0.0), sample(0.0)])
+    assert not has_signal([])
+    assert has_signal([sample(0.0), sample(-0.5)])
+    # Per-turn credit (rollout.credit = "turn"): the tokens' advantages are what trains.
+    assert has_signal([sample(0.0, (0.0, 0.0, 0.25)), sample(0.0, (0.0, 0.0, 0.0))])
+    assert not has_signal([sample(0.0, (0.0, 0.0, 0.0)), sample(0.0, (0.0, 0.0, 0.0))])
 
 
 def groups_of(samples, size):
