@@ -38,6 +38,7 @@ from fnt.model.lm_head import loss_tokens_of
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.base import all_ranks_named_sums, named_reward_means, named_sums
 from fnt.rollout.environments import environment_of
+from fnt.rollout.environments.parsers import read_turn, turn_parser
 from fnt.rollout.environments.protocol import Scored, weighted_reward
 from fnt.rollout.prompts import Prompt, load_prompts, source_prompts
 from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
@@ -276,8 +277,8 @@ def eval_reward_sums(
     total, count = 0.0, 0
     kept: list[Scored] = []
     for prompt, ids in zip(mine, answers):
-        text = data.tokenizer.decode(list(ids), skip_special_tokens=True)
-        scored, name, where = held_out_score(prompt, text, data, config)
+        message = held_out_message(prompt, ids, data, config, engine.stop_token_ids)
+        scored, name, where = held_out_score(prompt, message, data, config)
         if keep_group([scored.reward], config.rollout.on_bad_reward, where, name):
             total, count = total + scored.reward, count + 1
             kept.append(scored)
@@ -287,18 +288,43 @@ def eval_reward_sums(
     return reward_sum, count, all_ranks_named_sums(named, runtime)
 
 
+def held_out_message(
+    prompt: Prompt,
+    ids: Sequence[int],
+    data: EvalData,
+    config: RLConfig,
+    stop_token_ids: Collection[int],
+) -> dict[str, Any]:
+    """The assistant message of the greedy answer `ids`, read as a training episode reads its
+    turns (fnt.rollout.environments.parsers.read_turn: the model family's reasoning and tool
+    formats, special tokens kept unless the environment asks otherwise), so a held-out reward
+    scores the same text a training reward would."""
+    rollout = config.rollout
+    return read_turn(
+        data.tokenizer,
+        turn_parser(data.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser),
+        ids,
+        stopped=bool(ids) and ids[-1] in stop_token_ids,
+        context_ids=prompt.token_ids,
+        tools=prompt.tools,
+        keep_special_tokens=getattr(data.environment, "keep_special_tokens", True),
+    )
+
+
 def held_out_score(
-    prompt: Prompt, text: str, data: EvalData, config: RLConfig
+    prompt: Prompt, message: dict[str, Any], data: EvalData, config: RLConfig
 ) -> tuple[Scored, str, str]:
-    """The reward of the greedy answer `text` to a val prompt, the name of what scored it and
-    where the prompt is (for messages)."""
+    """The reward of the greedy answer's assistant `message` to a val prompt (rollout.reward
+    scores its content, as in training), the name of what scored it and where the prompt is
+    (for messages)."""
     if data.environment is None:
         name = config.rollout.reward
         where = f"line {prompt.line} of val.prompts ({config.val.prompts})"
+        text = message["content"]
         return Scored(score([text], prompt.record, data.reward_fn, name, where)[0]), name, where
     name = data.environment_name
     where = f"held-out prompt {prompt.line} of {name}"
-    messages = [*prompt.messages, {"role": "assistant", "content": text}]
+    messages = [*prompt.messages, message]
     try:
         value = data.environment.score(prompt.record, messages)
     except Exception as e:

@@ -198,7 +198,30 @@ def test_rl_validation_scores_greedy_answers_of_the_policy(tiny_model_dir, tmp_p
             stop_token_ids=stop_token_ids(tokenizer, tiny_model_dir),
             greedy=True,
         )
-        rewards.append(
-            ascii_letters(tokenizer.decode(list(answer.token_ids), skip_special_tokens=True), {})
-        )
+        # Read as a training turn is (fnt.rollout.environments.parsers.read_turn): special
+        # tokens kept, the stop token left off.
+        ids = answer.token_ids[:-1] if answer.stopped else answer.token_ids
+        rewards.append(ascii_letters(tokenizer.decode(list(ids), skip_special_tokens=False), {}))
     assert first["val/start/reward/mean"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-12)
+
+
+def test_a_held_out_answer_is_read_as_a_training_turn_is(tiny_model_dir):
+    """The held-out reward scores the text a training reward would: the stop token left off,
+    other special tokens kept (a `cb<eos>a` answer is not "cba"), the content of the model's
+    family's reading (fnt.rollout.environments.parsers.read_turn)."""
+    import types
+
+    from fnt.evaluation.held_out import held_out_message
+    from fnt.rollout.prompts import Prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = (*encode("cb"), eos, *encode("a"), eos)
+    data = types.SimpleNamespace(tokenizer=tokenizer, environment=None)
+    prompt = Prompt(record={}, token_ids=tuple(encode("reverse abc")), line=1)
+    message = held_out_message(prompt, ids, data, RLConfig(), {eos})
+    assert message["content"] == "cb" + tokenizer.eos_token + "a"
+    assert held_out_message(prompt, ids[:-1], data, RLConfig(), {eos})["content"] == (
+        "cb" + tokenizer.eos_token + "a"
+    )
