@@ -179,3 +179,18 @@ def test_which_names_are_hub_ids_and_every_model_key_resolves(hub_home, tmp_path
     config, _ = load_config([*args, "--model.revision", "v2"], RLConfig)
     with pytest.raises(ConfigError, match=r"^'model.name' = 'tiny-org/tiny-model': .* at revision"):
         resolve_hub_models(config)
+
+
+# Slow: a torchrun launch (the default suite has the node rule itself, two ranks' environments
+# without the launch, in the test above).
+@pytest.mark.slow
+def test_two_ranks_train_from_a_hub_id(hub_home, tmp_path):
+    from tests.e2e.helpers import run_script
+
+    out = tmp_path / "run"
+    run_script("fnt", "sft", *config_args(SFT, REPO_ID, out, "--max-steps", "2"), nproc=2,
+               module=True, timeout=240)  # fmt: skip
+    assert recorded_model(out).endswith(f"snapshots/{COMMIT_A}")
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").open()] == [1, 2]
+    (marker,) = (hub_home / "hub" / ".fnt-resolved").iterdir()  # rank 0's answer to rank 1
+    assert json.loads(marker.read_text()) == {"commit": COMMIT_A}
