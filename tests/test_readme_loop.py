@@ -1,5 +1,5 @@
-"""The research loop and the test of your own step shown in README.md run as printed (so they
-cannot rot)."""
+"""The research loop and the test of your own step shown in README.md, and the preference loss of
+your own in docs/dpo.md, run as printed (so they cannot rot)."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ DPO_LOOP = re.compile(r"<!-- dpo-loop:start -->\n```python\n(.*?)```\n<!-- dpo-l
 
 
 def test_the_readme_preference_loss_of_your_own_runs_and_learns(tiny_model_dir, tmp_path):
-    match = DPO_LOOP.search((REPO / "README.md").read_text())
-    assert match, "README.md lost its dpo-loop block"
+    match = DPO_LOOP.search((REPO / "docs" / "dpo.md").read_text())
+    assert match, "docs/dpo.md lost its dpo-loop block"
     code = match.group(1)
     assert len(code.strip().splitlines()) <= 16
     for module in re.findall(r"^(?:from|import) (\S+)", code, re.M):
