@@ -27,8 +27,10 @@ from tests.e2e.helpers import (
 from tests.e2e.test_preemption import children, wait_for_rows
 
 STEPS = 6
-# 2 prompts x 4 completions per step: the 17th reward call is step 3's first.
+# 2 prompts x 4 completions per step: the 17th reward call of the steps is step 3's first.
 HANG_AFTER_CALLS = 16
+# Each rank's start-up trial (fnt.apps.preflight.try_user_code) calls the reward once first.
+TRIAL_CALLS = 1
 EXACT_KEYS = ("loss/mean", "optim/grad_norm", "reward/mean")
 
 
@@ -51,7 +53,7 @@ def signalled_run(args, out: Path, delays: list[float], nproc: int = 0, hang_ran
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "HANG_AFTER_CALLS": str(HANG_AFTER_CALLS // max(1, nproc)),
+        "HANG_AFTER_CALLS": str(HANG_AFTER_CALLS // max(1, nproc) + TRIAL_CALLS),
         "HANG_RANK": str(hang_rank),
     }
     with subprocess.Popen(
