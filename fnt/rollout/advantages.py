@@ -7,20 +7,21 @@ group whose rewards are all equal carries no learning signal and gets exactly ze
 
 Per-turn credit (rollout.credit = "turn", `turn_advantages`): turn k of an episode of T turns
 with rewards r_1..r_T gets the return-to-go G_k = sum over j >= k of discount^(j-k) r_j
-(`discounted_returns`), so G_1 is the episode's whole return. The group's baseline and scale are
-those of its episodes' whole returns G_1, one value per episode, computed as above: turn k's
-advantage is (G_k - mean G_1) / (std G_1 + eps). A baseline that is one number per group is the
-same for every action, whatever turn the episode stops at, so it adds no bias to the policy
-gradient. A group whose episodes' whole returns are all equal gets zeros, as equal rewards do.
-Normalizing over the turns instead (each turn index k by its own mean over the episodes that
-reached k, or every turn of every episode pooled) makes an episode's baseline depend on how
-many turns it took, so when the policy decides when to stop, stopping early or late is
-credited by the baseline as well as by the rewards (verl RFC #7244).
+(`discounted_returns`), so G_1 is the episode's whole return. Each turn index k is a group of
+its own: the returns G_k of the group's episodes that reached turn k are normalized as rewards
+are above, so every episode's first turn is credited as under episode credit, and a turn
+reached by one episode alone, or by episodes of equal returns there, gets 0. (One baseline for
+all turns, the mean of G_1, would be unbiased but leaves every later turn offset by the rewards
+before it; on the reverse-text demo it collapsed training.) The known bias (verl RFC #7244):
+an episode's own return is part of its baseline at turn k with weight 1/n_k, n_k the episodes
+that went on to turn k, which the policy's decisions to stop set; so an episode that goes on
+when the others of its group stop has its later turns credited less, down to nothing when it is
+the only one (a plain group of equal size shrinks every advantage alike), and summing such
+per-turn advantages into one per episode would add a bias per turn taken as well.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -61,25 +62,17 @@ def discounted_returns(rewards: Sequence[float], discount: float) -> list[float]
 def turn_advantages(
     returns: Sequence[Sequence[float]], *, std_normalize: bool, eps: float = EPS
 ) -> list[list[float]]:
-    """Per episode of one group, the advantage of each of its turns (module docstring) from the
-    turns' returns-to-go (`discounted_returns`), as float32 values like `group_advantages`'.
-    A group whose episodes' whole returns G_1 are all equal gets exactly zeros, as a group of
-    equal rewards does: its baseline is each episode's own return and its scale eps alone."""
+    """Per episode of one group, the advantage of each of its turns from the turns'
+    returns-to-go (`discounted_returns`): turn index k normalized over the episodes that
+    reached it, by `group_advantages` (module docstring); float32 values."""
     if not returns or any(not r for r in returns):
         raise ValueError("every episode of a group needs at least one turn")
-    if not all(math.isfinite(g) for episode in returns for g in episode):
-        raise ValueError("returns must be finite")
-    whole = torch.tensor([[episode[0] for episode in returns]], dtype=torch.float64)
-    if bool((whole == whole[0, 0]).all()):
-        return [[0.0] * len(episode) for episode in returns]
-    # The same operations as group_advantages on [1, S], so that zero turn rewards and
-    # discount 1 give exactly the advantages of episode credit.
-    baseline = whole.mean(dim=1, keepdim=True)[0]
-    scale = whole.std(dim=1, unbiased=False, keepdim=True)[0] + eps
-    advantages = []
-    for episode in returns:
-        centered = torch.tensor(episode, dtype=torch.float64) - baseline
-        if std_normalize:
-            centered = centered / scale
-        advantages.append(centered.to(torch.float32).tolist())
+    advantages = [[0.0] * len(episode) for episode in returns]
+    for k in range(max(map(len, returns))):
+        members = [i for i, episode in enumerate(returns) if len(episode) > k]
+        values = group_advantages(
+            [[returns[i][k] for i in members]], std_normalize=std_normalize, eps=eps
+        )[0].tolist()
+        for i, value in zip(members, values):
+            advantages[i][k] = value
     return advantages

@@ -28,8 +28,9 @@ Credit (rollout.credit): "episode" gives the episode's advantage, its reward aga
 group's (fnt.rollout.advantages.group_advantages), to every sampled token. "turn" asks the
 environment for a reward per model turn (`score_turns`, fnt.rollout.environments.protocol), adds
 the episode's score to the last turn's, and gives each turn's tokens the advantage of its
-discounted return-to-go (rollout.turn_discount) against the group's episodes
-(fnt.rollout.advantages.turn_advantages); the sample's `advantage` is then its first turn's.
+discounted return-to-go (rollout.turn_discount) against those of the group's episodes at the
+same turn (fnt.rollout.advantages.turn_advantages); the sample's `advantage` is then its first
+turn's.
 An episode zeroed by rollout.on_truncated = "zero" has all turn rewards 0, unasked.
 """
 

@@ -40,32 +40,32 @@ class Scripted3:
     """Ends each episode after the answers in LAST; rewards each turn by TURN_REWARDS and the
     episode by its last answer's SCORE."""
 
-    def __init__(self, turn_rewards=TURN_REWARDS) -> None:
-        self.turn_rewards = turn_rewards
+    def __init__(self, turn_rewards=TURN_REWARDS, last=LAST, scores=SCORE) -> None:
+        self.turn_rewards, self.last, self.scores = turn_rewards, last, scores
         self.turn_calls = 0
 
     def start(self, record):
         return Start(({"role": "user", "content": record["prompt"]},))
 
     def respond(self, record, messages):
-        if answers(messages)[-1] in LAST:
+        if answers(messages)[-1] in self.last:
             return None
         return Reply(({"role": "user", "content": "go on"},))
 
     def score(self, record, messages):
-        return SCORE[answers(messages)[-1]]
+        return self.scores[answers(messages)[-1]]
 
     def score_turns(self, record, messages):
         self.turn_calls += 1
         return [self.turn_rewards[a] for a in answers(messages)]
 
 
-def run(environment, tokenizer, **rule_changes):
+def run(environment, tokenizer, texts=TEXTS, **rule_changes):
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     run_rules = rules(group_size=3, **rule_changes)
     prompts = [prompt_of({"prompt": "x"}, environment, tokenizer)]
     episodes = run_episodes(
-        prompts, Scripted(tokenizer, TEXTS, stop), environment, tokenizer, run_rules
+        prompts, Scripted(tokenizer, texts, stop), environment, tokenizer, run_rules
     )
     samples, dropped = scored_samples(episodes, environment, run_rules)
     assert dropped == 0
@@ -82,8 +82,9 @@ def test_discounted_returns_by_hand():
 #   A: rewards (1, 0, 0 + 2): G = (1 + 0.5 * 1, 0 + 0.5 * 2, 2) = (1.5, 1, 2)
 #   B: rewards (0 + 1):       G = (1,)
 #   C: rewards (0.5, 0 + 0):  G = (0.5, 0)
-# The group's whole returns G_1 = (1.5, 1, 0.5): mean 1, population std sqrt(1/6).
-CENTERED = [[0.5, 0.0, 1.0], [0.0], [-0.5, -1.0]]
+# Turn 1: G_1 = (1.5, 1, 0.5), mean 1, population std sqrt(1/6); turn 2: A and C reached it,
+# G_2 = (1, 0), mean 0.5, std 0.5; turn 3: A alone, advantage 0.
+CENTERED = [[0.5, 0.5, 0.0], [0.0], [-0.5, -0.5]]
 
 
 @pytest.mark.parametrize("std_normalize", [False, True])
@@ -93,8 +94,10 @@ def test_a_three_turn_groups_advantages_by_hand(tokenizer, std_normalize):
         environment, tokenizer, credit="turn", turn_discount=0.5, std_normalize=std_normalize
     )
     assert [e.turns for e in episodes] == [3, 1, 2]
-    scale = math.sqrt(1 / 6) + EPS if std_normalize else 1.0
-    expected = [[torch.tensor(a / scale).float().item() for a in ep] for ep in CENTERED]
+    scales = [math.sqrt(1 / 6) + EPS, 0.5 + EPS, 1.0] if std_normalize else [1.0] * 3
+    expected = [
+        [torch.tensor(a / scale).float().item() for a, scale in zip(ep, scales)] for ep in CENTERED
+    ]
     for episode, sample, want in zip(episodes, samples, expected):
         spans = episode.turn_spans
         assert len(spans) == episode.turns
@@ -140,25 +143,39 @@ def span_lengths(sample) -> list[int]:
     return lengths
 
 
-def test_turn_advantages_of_equal_whole_returns_are_zero_and_the_baseline_is_per_episode():
-    # Every episode's whole return is 1: no signal between them, whatever the later turns.
-    assert turn_advantages([[1.0, 0.5], [1.0]], std_normalize=True) == [[0.0, 0.0], [0.0]]
-    # One value per episode, however many turns it took: the 3-turn episode does not weigh
-    # three times in the baseline (pooled over turns, the mean would be (1+1+1+0)/4).
+def test_each_turn_index_is_normalized_over_the_episodes_that_reached_it():
+    # Turn 1 of every episode is its group's (as episode credit); a turn reached by one episode
+    # alone gets 0, and so does a turn whose returns are equal.
     assert turn_advantages([[1.0, 1.0, 1.0], [0.0]], std_normalize=False) == [
-        [0.5, 0.5, 0.5],
+        [0.5, 0.0, 0.0],
         [-0.5],
+    ]
+    assert turn_advantages([[1.0, 0.5], [1.0, 0.5], [1.0]], std_normalize=True) == [
+        [0.0, 0.0],
+        [0.0, 0.0],
+        [0.0],
+    ]
+    assert turn_advantages([[2.0, 3.0], [0.0, 1.0]], std_normalize=False) == [
+        [1.0, 1.0],
+        [-1.0, -1.0],
     ]
     with pytest.raises(ValueError, match="finite"):
         turn_advantages([[math.inf], [0.0]], std_normalize=False)
 
 
 def test_zero_turn_rewards_at_discount_1_give_exactly_the_episode_credit(tokenizer):
-    """Turn credit generalizes episode credit: with every turn reward 0 and no discount, the
-    same samples train on bit for bit the same advantages, and so give the same loss."""
-    zeros = dict.fromkeys(TURN_REWARDS, 0.0)
-    _, by_episode = run(Scripted3(zeros), tokenizer)
-    _, by_turn = run(Scripted3(zeros), tokenizer, credit="turn", turn_discount=1.0)
+    """Turn credit generalizes episode credit: with every turn reward 0, no discount and
+    episodes of equal length, the same samples train on bit for bit the same advantages, and so
+    give the same loss."""
+    texts = [("a1", "b1", "c1"), ("a2", "b2", "c2")]
+    environment = dict(
+        turn_rewards=dict.fromkeys(["a1", "b1", "c1", "a2", "b2", "c2"], 0.0),
+        last={"a2", "b2", "c2"},
+        scores={"a2": 2.0, "b2": 1.0, "c2": 0.0},
+    )
+    _, by_episode = run(Scripted3(**environment), tokenizer, texts)
+    _, by_turn = run(Scripted3(**environment), tokenizer, texts, credit="turn", turn_discount=1.0)
+    assert all(s.turns == 2 for s in by_turn)
     assert [s.advantage for s in by_turn] == [s.advantage for s in by_episode]
     packed = [
         pack_rollouts(
