@@ -94,12 +94,6 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
         "resume",
         'must be a step number >= 0, "latest", true/false or none',
     )
-    require(
-        config.data.kind == "sources" or not config.data.sources,
-        "data.kind",
-        "would train on synthetic counting sequences and leave the data.sources given unread: "
-        'set data.kind = "sources"',
-    )
     if config.data.kind == "sources":
         require(
             bool(config.data.sources),
@@ -121,6 +115,13 @@ def validate(config: Config, world_size: int) -> None:  # noqa: C901 - a flat li
     check = mode_of(config).check
     if check is not None:
         check(config, dp)
+    # After the mode's own check, whose message is the more precise one (DPO's "trains on pairs").
+    require(
+        mode_of(config).rollouts or config.data.kind == "sources" or not config.data.sources,
+        "data.kind",
+        "would train on synthetic counting sequences and leave the data.sources given unread: "
+        'set data.kind = "sources"',
+    )
 
 
 def validate_epochs(config: Config) -> None:
