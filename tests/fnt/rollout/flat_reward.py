@@ -1,8 +1,10 @@
 """Rewards that are the same for every completion of some prompts (their groups carry no signal),
-for the tests of rollout.filter_groups: `--rollout.reward tests.fnt.rollout.flat_reward:NAME`."""
+for the tests of rollout.filter_groups: `--rollout.reward tests.fnt.rollout.flat_reward:NAME`,
+and an environment of episodes scored so (`--rollout.environment ...:feedback_every_third`)."""
 
 from __future__ import annotations
 
+from fnt.rollout.environments import FeedbackEnvironment
 from fnt.rollout.rewards import ascii_letters
 
 
@@ -37,3 +39,9 @@ def even_counts(completion: str, sample: dict) -> float:
     if int(sample["prompt"].split()[-1]) % 2 == 0:
         return 0.5
     return ascii_letters(completion, sample)
+
+
+def feedback_every_third(rollout):
+    """Episodes of retries after a hint (FeedbackEnvironment) scored by `every_third`: a flat
+    prompt's episodes end after one turn, the others' mostly go on."""
+    return FeedbackEnvironment(every_third, threshold=0.95)

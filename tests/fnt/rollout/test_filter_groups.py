@@ -140,6 +140,29 @@ def test_a_resumed_stream_draws_the_prompts_and_samples_of_the_uninterrupted_one
     assert_same_batch(fresh.handles.rollouts.rollout(resumed), second)
 
 
+def test_multi_turn_episodes_are_filtered_and_resume_alike(policy_dir, prompts_file):
+    config = rl_config(
+        policy_dir,
+        prompts_file,
+        reward="",
+        environment=f"{REWARDS}:feedback_every_third",
+        max_turns=3,
+        filter_groups=True,
+    )
+    state = rl_state(config)
+    engine = state.handles.rollouts
+    samples, _, after, metrics = engine.filtered_sample(engine.model, 1, DataPosition(), 0)
+    assert metrics["rollout/filtered_groups"] > 0
+    assert all(has_signal(g) for g in groups_of(samples, 4))
+    assert any(s.turns > 1 for s in samples)
+    first = rl_source(state)
+    assert first.data_after == after
+    second = rl_source(state.advance(data=first.data_after))
+    fresh = rl_state(config)
+    resumed = dataclasses.replace(fresh, progress=Progress(step=1, data=first.data_after))
+    assert_same_batch(fresh.handles.rollouts.rollout(resumed), second)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
