@@ -11,7 +11,9 @@ source), so the prompt at a data position (epoch, cursor) is a pure function of 
 cursor). An environment that makes its own prompts (`source_prompts`) has several sources, mixed
 by weight the same way. Step N takes the next prompts_per_step prompts of that order, wrapping
 into the next epoch, and rank r takes the r-th contiguous share of them
-(fnt.distributed.parallel.rank_share).
+(fnt.distributed.parallel.rank_share); with rollout.filter_groups a step draws the next ones on
+in rounds until it has its groups (fnt.rollout.engines.in_process), and the position it leaves
+is recorded all the same.
 """
 
 from __future__ import annotations
