@@ -389,11 +389,13 @@ EPISODE_SUMS = (
 def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
     """The sums over `samples` that the episode metrics are made of (EPISODE_SUMS), plus
     `reward/{name}` -> (count, sum) pairs of the named rewards, under "named". Pure."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    # An episode whose history was rewritten has several samples; it counts on its last.
+    ends = [s for s in samples if not s.continued]
+    rewards = torch.tensor([s.reward for s in ends], dtype=torch.float64)
     good = rewards[torch.isfinite(rewards)]
     sampled = [s.sampled_count for s in samples]
     return {
-        "episodes": float(len(samples)),
+        "episodes": float(len(ends)),
         "scored": float(len(good)),
         "reward_sum": float(good.sum()),
         "reward_sq": float((good**2).sum()),

@@ -90,6 +90,9 @@ class RolloutSample:
     """The policy step (updates done) whose weights sampled it, when known."""
     named_rewards: tuple[tuple[str, float], ...] = ()
     """(name, value) of each named reward the environment gave, before weighting."""
+    continued: bool = False
+    """The episode goes on in a later sample (its environment rewrote the history after this
+    one's last turn); the episode is counted, and its reward and facts, on its last sample."""
     token_advantages: Optional[tuple[float, ...]] = None
     """[L] each token's own advantage (rollout.credit = "turn": its turn's, 0.0 on context),
     trained in place of `advantage`; None: `advantage` on every token."""

@@ -54,6 +54,8 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
     }
     if sample.named_rewards:
         record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
+    if sample.continued:  # its episode goes on in the next sample (a rewritten history)
+        record["continued"] = True
     record["trained"] = trained_spans(sample.sampled)
     if sample.token_advantages is not None:  # rollout.credit = "turn": one per trained span
         record["turn_advantages"] = [sample.token_advantages[a] for a, _ in record["trained"]]

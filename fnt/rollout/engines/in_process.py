@@ -142,6 +142,12 @@ class ModelTurns:
             turn_seed(seed, self.step, self.lo + slot, index, turn) for slot, index, turn in keys
         ]
         caches = [self.caches.get((slot, index)) for slot, index, _ in keys]
+        # An environment that rewrote the history (Reply.history) starts the episode's context
+        # anew, and what the cache read is no longer its beginning.
+        caches = [
+            c if c is None or tuple(ctx[: len(c.token_ids)]) == c.token_ids else None
+            for c, ctx in zip(caches, contexts)
+        ]
         self.caches = {}
         groups = self._generate(contexts, 1, list(max_new_tokens), seeds, caches)
         return [self._keep(c, slot, index) for (c,), (slot, index, _) in zip(groups, keys)]

@@ -32,6 +32,16 @@ discounted return-to-go (rollout.turn_discount) against those of the group's epi
 same turn (fnt.rollout.advantages.turn_advantages); the sample's `advantage` is then its first
 turn's.
 An episode zeroed by rollout.on_truncated = "zero" has all turn rewards 0, unasked.
+
+Context that changes: an environment that rewrites the conversation (a Reply with `history`,
+a summary in place of old turns) ends the episode's sample after the turn, and the episode goes
+on in a new one that starts with the template's rendering of the history and the reply (with
+the generation prompt), as prime-rl splits an episode where its context stops being a prefix.
+Every sample of the episode trains on the episode's advantage (under turn credit, on its turns'
+own); the episode's reward and facts (tool calls, truncation, running out of turns) are on its
+last sample, and the earlier ones are `continued`, so an episode counts once in the metrics.
+Each sample must fit rollout.max_episode_tokens; `respond` and `score` then see the rewritten
+conversation, and `score_turns` still rewards every model turn of the episode.
 """
 
 from __future__ import annotations
@@ -48,7 +58,7 @@ from fnt.rollout.environments.parsers import TurnParser, read_turn, turn_parser
 from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
 from fnt.rollout.environments.render import reply_ids
 from fnt.rollout.pack import RolloutSample
-from fnt.rollout.prompts import Prompt
+from fnt.rollout.prompts import Prompt, render_prompt
 from fnt.rollout.rewards import keep_group
 from fnt.rollout.sampling import Completion
 from fnt.rollout.user_code import UserCodeRaised, call_user, shown
@@ -112,6 +122,16 @@ class TurnSampler(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Branch:
+    """One training sample of an episode whose history was rewritten (module docstring)."""
+
+    token_ids: tuple[int, ...]
+    sampled: tuple[bool, ...]
+    logprobs: tuple[float, ...]
+    turn_spans: tuple[tuple[int, int], ...]
+
+
 @dataclass
 class Episode:
     """One episode in flight: its flat tokens so far and its conversation."""
@@ -132,6 +152,15 @@ class Episode:
     named: Optional[Scored] = field(default=None)
     # [start, end) of each model turn's sampled tokens in token_ids, in turn order.
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    # The samples the episode closed when its environment rewrote the history, in order.
+    closed: list[Branch] = field(default_factory=list)
+
+    def branches(self) -> list[Branch]:
+        """The episode's samples: the closed ones and the one in progress."""
+        current = Branch(
+            tuple(self.token_ids), tuple(self.sampled), tuple(self.logprobs), tuple(self.turn_spans)
+        )
+        return [*self.closed, current]
 
     def where(self, rules: EpisodeRules) -> str:
         return f"the prompt of line {self.prompt.line} of {rules.prompts_path}"
@@ -181,6 +210,9 @@ def advance_(
     if episode.turns >= rules.max_turns:
         episode.out_of_turns, episode.running = True, False
         return
+    if reply.history is not None:
+        restart_(episode, reply, tokenizer, rules)
+        return
     try:
         ids = reply_ids(
             tokenizer, episode.messages, episode.prompt.tools, reply.messages, completion.token_ids
@@ -196,6 +228,26 @@ def advance_(
     episode.sampled += [False] * len(ids)
     episode.logprobs += [0.0] * len(ids)
     episode.messages += [dict(m) for m in reply.messages]
+
+
+def restart_(episode: Episode, reply: Reply, tokenizer, rules: EpisodeRules) -> None:
+    """Close the episode's sample and go on in a new one from the rewritten conversation
+    `reply.history` + `reply.messages` (module docstring); truncated when that leaves no room
+    for a sampled token."""
+    messages = [dict(m) for m in (*reply.history, *reply.messages)]
+    try:
+        ids = render_prompt(messages, tokenizer, episode.prompt.tools)
+    except ValueError as e:
+        raise ValueError(
+            f"{rules.name}: turn {episode.turns} on {episode.where(rules)}: {e}"
+        ) from None
+    if len(ids) >= rules.max_episode_tokens:
+        episode.truncated, episode.running = True, False
+        return
+    episode.closed = episode.branches()
+    episode.token_ids, episode.sampled = list(ids), [False] * len(ids)
+    episode.logprobs, episode.turn_spans = [0.0] * len(ids), []
+    episode.messages = messages
 
 
 def run_episodes(
@@ -323,14 +375,6 @@ def turn_credit(
     return rewards, turn_advantages(returns, std_normalize=rules.std_normalize)
 
 
-def token_advantages(episode: Episode, advantages: Sequence[float]) -> tuple[float, ...]:
-    """Each token's advantage: its turn's on the turn's sampled tokens, 0.0 on context."""
-    values = [0.0] * len(episode.token_ids)
-    for (start, end), advantage in zip(episode.turn_spans, advantages):
-        values[start:end] = [advantage] * (end - start)
-    return tuple(values)
-
-
 def scored_samples(
     episodes: Sequence[Sequence[Episode]],
     environment: Environment,
@@ -366,23 +410,8 @@ def scored_samples(
             advantages = group_advantages([rewards], std_normalize=rules.std_normalize)[0].tolist()
         else:
             advantages = [0.0] * len(rewards)
-        samples += [
-            EpisodeSample(
-                token_ids=tuple(e.token_ids),
-                sampled=tuple(e.sampled),
-                logprobs=tuple(e.logprobs),
-                reward=s.reward,
-                advantage=advantage,
-                turns=e.turns,
-                tool_calls=e.tool_calls,
-                tool_errors=e.tool_errors,
-                truncated=e.truncated,
-                policy_step=policy_step,
-                named_rewards=s.named,
-                out_of_turns=e.out_of_turns,
-            )
-            for e, s, advantage in zip(kept, scores, advantages)
-        ]
+        for e, score, advantage in zip(kept, scores, advantages):
+            samples += episode_samples(e, score, advantage, policy_step)
     return samples, dropped
 
 
@@ -394,23 +423,57 @@ def turn_samples(
     policy_step: Optional[int],
 ) -> list[EpisodeSample]:
     """A group's samples under rollout.credit = "turn": each token trains on its turn's
-    advantage, and `advantage` is the first turn's (the whole episode's return's)."""
-    return [
-        EpisodeSample(
-            token_ids=tuple(e.token_ids),
-            sampled=tuple(e.sampled),
-            logprobs=tuple(e.logprobs),
-            reward=s.reward,
-            advantage=a[0],
-            turns=e.turns,
-            tool_calls=e.tool_calls,
-            tool_errors=e.tool_errors,
-            truncated=e.truncated,
-            policy_step=policy_step,
-            named_rewards=s.named,
-            token_advantages=token_advantages(e, a),
-            out_of_turns=e.out_of_turns,
-            turn_rewards=tuple(r),
+    advantage, and a sample's `advantage` is its first turn's."""
+    samples: list[EpisodeSample] = []
+    for e, score, r, a in zip(kept, scores, rewards, advantages):
+        samples += episode_samples(e, score, a[0], policy_step, turns=(a, r))
+    return samples
+
+
+def episode_samples(
+    episode: Episode,
+    score: Scored,
+    advantage: float,
+    policy_step: Optional[int],
+    turns: Optional[tuple[Sequence[float], Sequence[float]]] = None,
+) -> list[EpisodeSample]:
+    """The samples of a scored episode, one per branch (module docstring), with the episode's
+    reward and `advantage` on every token; under turn credit `turns` is (the advantage, the
+    reward) of each model turn, and each token carries its turn's advantage and a sample's
+    `advantage` is its first turn's."""
+    branches = episode.branches()
+    samples, first = [], 0
+    for n, branch in enumerate(branches):
+        last = n == len(branches) - 1
+        count = episode.turns - first if last else len(branch.turn_spans)
+        numbers = range(first, first + count)
+        first += count
+        per_token, turn_rewards, branch_advantage = None, (), advantage
+        if turns is not None:
+            turn_advantages, rewards = turns
+            values = [0.0] * len(branch.token_ids)
+            for (start, end), k in zip(branch.turn_spans, numbers):
+                values[start:end] = [turn_advantages[k]] * (end - start)
+            per_token = tuple(values)
+            turn_rewards = tuple(rewards[k] for k in numbers)
+            branch_advantage = turn_advantages[numbers[0]] if numbers else advantage
+        samples.append(
+            EpisodeSample(
+                token_ids=branch.token_ids,
+                sampled=branch.sampled,
+                logprobs=branch.logprobs,
+                reward=score.reward,
+                advantage=branch_advantage,
+                turns=count,
+                tool_calls=episode.tool_calls if last else 0,
+                tool_errors=episode.tool_errors if last else 0,
+                truncated=episode.truncated and last,
+                policy_step=policy_step,
+                named_rewards=score.named if last else (),
+                continued=not last,
+                token_advantages=per_token,
+                out_of_turns=episode.out_of_turns and last,
+                turn_rewards=turn_rewards,
+            )
         )
-        for e, s, r, a in zip(kept, scores, rewards, advantages)
-    ]
+    return samples

@@ -11,6 +11,9 @@ the environment owns the conversation and the reward):
         Called after every model turn with the conversation so far (the first messages, each
         model turn as an assistant message, below, each earlier reply's messages): the
         messages that answer the turn (tool results, feedback), or None to end the episode.
+        A Reply with `history` rewrites the conversation (a summary in place of old turns):
+        the episode goes on in a new training sample (module docstring of
+        fnt.rollout.environments.episodes).
     score(record, messages) -> float | {name: float}
         The episode's reward; named rewards are summed with the environment's `reward_weights`
         (a name it lacks weighs 1.0) and logged each as reward/{name}/mean.
@@ -81,6 +84,10 @@ class Reply:
     """Tool calls the turn made that were run."""
     tool_errors: int = 0
     """Of those, the ones that failed (a raising tool, a malformed call, an unknown name)."""
+    history: Optional[tuple[Message, ...]] = None
+    """The conversation rewritten (a summary in place of old turns): the next turn is sampled
+    after `history` and then `messages`, rendered anew, in a new training sample of the
+    episode; None: the conversation goes on after the model's turn."""
 
 
 @dataclass(frozen=True)
