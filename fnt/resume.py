@@ -134,6 +134,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "val.prompts": MAY_CHANGE,
     "val.interval": MAY_CHANGE,
     "val.eval_on_start": MAY_CHANGE,
+    "val.samples": MAY_CHANGE,
     "ckpt.interval": MAY_CHANGE,
     "ckpt.keep_last": MAY_CHANGE,
     "ckpt.keep_best": MAY_CHANGE,  # the best is found again from the rows on disk

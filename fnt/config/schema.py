@@ -197,11 +197,13 @@ class ValConfig:
     sources: tuple[DataSourceConfig, ...] = ()
     """Held-out samples (same kinds as data.sources, weights unused) for val/loss."""
     prompts: str = ""
-    """RL: JSONL prompts answered greedily and scored by rollout.reward, for val/reward/mean."""
+    """RL: JSONL prompts run greedily to the episode's end, scored as in training (val/reward)."""
     interval: int = 0
     """Evaluate after every step whose number is a multiple of this; 0 evaluates no step."""
     eval_on_start: bool = False
     """Also evaluate the start state before the first step; the run's first row gets val/start/*."""
+    samples: int = 0
+    """RL: k sampled episodes per held-out prompt for val/reward/avg@k and pass@k; 0: none."""
 
 
 @dataclass_json

@@ -245,6 +245,13 @@ def validate_val(config: Config) -> None:
         raise ConfigError(f"'val.interval' = {val.interval}: must be >= 0 (0: no step)")
     validate_sources(val.sources, "val.sources")
     held_out = held_out_prompts(config) > 0
+    if val.samples < 0:
+        raise ConfigError(f"'val.samples' = {val.samples}: must be >= 0 (0: greedy episodes only)")
+    if val.samples > 0 and not (val.prompts or held_out):
+        raise ConfigError(
+            f"'val.samples' = {val.samples}: sampled episodes are of held-out prompts, and there "
+            "are none: set val.prompts (or the environment's held-out prompts), or val.samples = 0"
+        )
     has_data = has_val_data(config)
     evaluates = val.interval > 0 or val.eval_on_start
     if has_data and not evaluates:

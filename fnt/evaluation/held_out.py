@@ -1,5 +1,5 @@
 """The held-out samples and prompts of an SFT or RL run (the `[val]` section): the token-weighted
-loss on held-out samples (`val.sources`) and, in RL, the mean reward of greedy answers to
+loss on held-out samples (`val.sources`) and, in RL, the mean reward of greedy episodes of
 held-out prompts (`val.prompts`, or the environment's own), over all ranks. `EvalData` is the
 state's `val` handle (an Evaluator).
 Side effects: `load_eval_data` reads the val sources and prompts (init_state calls it before
@@ -9,14 +9,33 @@ generates on the rollout engine's inference copy (fnt.config.engines: an engine 
 `greedy_eval`) after loading the policy's weights into it (a collective under FSDP2); and it
 all-reduces its sums. Every rank evaluates its share (rows of samples, prompts), and all ranks
 finish an evaluation together, in that all-reduce. Nothing an evaluation does reaches training:
-no gradient, no optimizer state, no generator is drawn from (greedy decoding draws nothing), and
-the data position stays where it is.
+no gradient, no optimizer state, no generator of training's is drawn from (greedy decoding draws
+nothing; val.samples draws from generators of its own), and the data position stays where it is.
+
+A multi-turn environment's held-out episodes run to their end, as training's do
+(fnt.rollout.environments.episodes.run_episodes under training's rules: rollout.max_turns,
+max_new_tokens, max_episode_tokens, the turn parsers), every turn of all episodes one greedy
+batch, and the environment's `score` of the whole episode is val/reward/mean. A single-turn run
+(rollout.reward, or rollout.max_turns = 1) scores the one greedy answer, as it always has.
+rollout.on_truncated = "zero" scores a truncated held-out episode 0; "score" and "drop" score it
+as it is (a held-out mean that left failures out would flatter the model).
+
+`val.samples = k` adds k episodes per held-out prompt sampled at rollout.temperature, each
+prompt's from generators of its own seeded by (seed, step, the prompt's index, episode, turn)
+under a "val/" key of their own (`val_seed`), so the samples depend on neither the number of
+ranks nor a resume, and training's draws are untouched: val/reward/avg@k is the mean reward
+of all k * prompts samples, val/reward/pass@k the share of prompts with at least one sample of
+reward >= 1 (`PASS_REWARD`: fnt's task rewards are 1 for a fully right answer, and a
+similarity or partial credit near 1 is not a pass). With n = k samples, the unbiased pass@k
+estimator of Chen et al. 2021 (1 - C(n - c, k) / C(n, k)) is exactly "any of the k passed".
 
 Which rows get which keys is fnt.evaluation's `Evaluation` (the driver's side of evaluation).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Collection, Optional, Sequence
@@ -38,11 +57,18 @@ from fnt.model.lm_head import loss_tokens_of
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
 from fnt.rollout.base import all_ranks_named_sums, named_reward_means, named_sums
 from fnt.rollout.environments import environment_of
+from fnt.rollout.environments.episodes import (
+    Episode,
+    EpisodeRules,
+    run_episodes,
+    score_episode,
+)
 from fnt.rollout.environments.parsers import read_turn, turn_parser
 from fnt.rollout.environments.protocol import Scored, weighted_reward
+from fnt.rollout.environments.single_turn import SingleTurnEnvironment
 from fnt.rollout.prompts import Prompt, load_prompts, source_prompts
 from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
-from fnt.rollout.sampling import generate
+from fnt.rollout.sampling import Completion, generate
 from fnt.state import Stateless, TrainState
 from fnt.update import forward_loss_tokens
 
@@ -65,6 +91,11 @@ class EvalData(Stateless):
     """The environment whose held-out prompts these are, which scores them (else reward_fn)."""
     environment_name: str = ""
     """How messages name it ("environment 'reasoning_gym:TASK'")."""
+    rules: Optional[EpisodeRules] = None
+    """The rules held-out episodes run by (training's, one episode per prompt); None without
+    prompts."""
+    whole_episodes: bool = False
+    """The greedy episodes run to their end (a multi-turn environment); else one turn."""
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """The val metrics of the model as `state` holds it, without the val/ prefix; every
@@ -87,11 +118,17 @@ class EvalData(Stateless):
                     f"'val.prompts' is set but rollout.engine = {config.rollout.engine!r} holds "
                     "no inference copy of the policy to generate the greedy answers"
                 )
-            reward_sum, count, named = eval_reward_sums(
-                handles.rollouts, handles.model, self, handles.runtime, config
-            )
+            engine, runtime = handles.rollouts, handles.runtime
+            engine.sync_weights_(handles.model)
+            if self.whole_episodes:
+                reward_sum, count, named = greedy_episode_sums(engine, self, runtime, config)
+            else:
+                reward_sum, count, named = greedy_reward_sums(engine, self, runtime, config)
             metrics["reward/mean"] = reward_sum / count if count else math.nan
             metrics.update(named_reward_means(named))
+            if config.val.samples > 0:
+                sums = sampled_episode_sums(engine, self, runtime, config, state.progress.step)
+                metrics.update(sampled_metrics(config.val.samples, *sums))
         return metrics
 
 
@@ -122,13 +159,27 @@ def load_eval_data(config: Config) -> Optional[Any]:
         prompts = load_prompts(val.prompts, tokenizer)
         reward_fn = reward_function(config.rollout.reward)
     environment, environment_name = None, ""
+    rules, whole_episodes = None, False
     if held_out:
         environment, environment_name = environment_of(config.rollout)
+        where = f"the held-out prompts of {environment_name}"
         prompts, _, _ = source_prompts(
-            environment.prompt_sources("val"),
-            tokenizer,
-            environment.start,
-            f"the held-out prompts of {environment_name}",
+            environment.prompt_sources("val"), tokenizer, environment.start, where
+        )
+    elif val.prompts:
+        where = f"val.prompts ({val.prompts})"
+        run_environment, run_name = environment_of(config.rollout)
+        if not isinstance(run_environment, SingleTurnEnvironment):
+            # The run's environment opens and scores the held-out episodes, as in training.
+            environment, environment_name = run_environment, run_name
+            prompts = load_prompts(val.prompts, tokenizer, environment.start)
+    if prompts:
+        episode_environment = environment or SingleTurnEnvironment(reward_fn)
+        whole_episodes = config.rollout.max_turns > 1 and not isinstance(
+            episode_environment, SingleTurnEnvironment
+        )
+        rules = held_out_rules(
+            config, tokenizer, where, environment_name or f"reward {config.rollout.reward!r}"
         )
     return EvalData(
         corpus=corpus,
@@ -141,6 +192,29 @@ def load_eval_data(config: Config) -> Optional[Any]:
         pad_token_id=pad_token_id(tokenizer),
         environment=environment,
         environment_name=environment_name,
+        rules=rules,
+        whole_episodes=whole_episodes,
+    )
+
+
+def held_out_rules(config: RLConfig, tokenizer: Any, where: str, name: str) -> EpisodeRules:
+    """Training's episode rules (fnt.rollout.base.PromptRollouts) for one episode per held-out
+    prompt of `where`, scored by `name`. Pure."""
+    rollout = config.rollout
+    return EpisodeRules(
+        group_size=1,
+        max_new_tokens=rollout.max_new_tokens,
+        max_turns=rollout.max_turns,
+        max_episode_tokens=rollout.max_episode_tokens or config.seq_len,
+        on_truncated=rollout.on_truncated,
+        on_bad_reward=rollout.on_bad_reward,
+        std_normalize=rollout.std_normalize,
+        prompts_path=where,
+        name=name,
+        reward_name=rollout.environment or rollout.reward,
+        turn_parser=turn_parser(
+            tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
+        ),
     )
 
 
@@ -253,20 +327,19 @@ def greedy_answers(
     return [completions[0].token_ids for completions in groups]
 
 
-def eval_reward_sums(
-    engine: Any, policy: nn.Module, data: EvalData, runtime: Runtime, config: RLConfig
+def greedy_reward_sums(
+    engine: Any, data: EvalData, runtime: Runtime, config: RLConfig
 ) -> tuple[float, float, dict[str, list[float]]]:
     """(summed reward, prompt count, named rewards' name -> [count, sum]) of the greedy answers
-    to all val prompts over all ranks.
+    to all val prompts over all ranks (one turn each).
 
-    The engine's inference copy is synced with the policy first (every rank, a collective under
-    FSDP2); rank r answers prompts r, r + dp, ..., so no rank idles when the count is uneven.
+    The engine's inference copy is already synced with the policy (`EvalData.evaluate`); rank r
+    answers prompts r, r + dp, ..., so no rank idles when the count is uneven.
     Held-out prompts of an environment are scored by its `score` on the one-turn conversation
     (its named rewards too); val.prompts by rollout.reward. A NaN or infinite reward follows
     rollout.on_bad_reward, as in training: "error" stops the run naming the prompt, "skip"
     leaves that prompt out of the mean.
     """
-    engine.sync_weights_(policy)
     mine = data.prompts[runtime.dp_rank :: runtime.dims.dp]
     answers = greedy_answers(
         engine.model,
@@ -331,3 +404,180 @@ def held_out_score(
         raise ValueError(f"{name} failed on {where}: {e}") from e
     weights = getattr(data.environment, "reward_weights", None) or {}
     return weighted_reward(value, weights, name, where), name, where
+
+
+PASS_REWARD = 1.0
+"""A sampled held-out episode passes (val/reward/pass@k) when its reward is at least this."""
+
+
+class GreedyTurns:
+    """A TurnSampler (fnt.rollout.environments.episodes) that decodes every turn of all
+    episodes greedily, in one batch per turn."""
+
+    def __init__(self, model: nn.Module, stop_token_ids: Collection[int]) -> None:
+        self.model, self.stop_token_ids = model, stop_token_ids
+
+    def first(self, prompts, num_samples, max_new_tokens) -> list[list[Completion]]:
+        return generate(
+            self.model,
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            greedy=True,
+        )
+
+    def next(self, contexts, max_new_tokens, keys) -> list[Completion]:
+        groups = self.first(contexts, 1, list(max_new_tokens))
+        return [completions[0] for completions in groups]
+
+
+def val_seed(seed: int, step: int, slot: int, index: int = 0, turn: int = 1) -> int:
+    """A 63-bit generator seed for turn `turn` of sampled held-out episode `index` of held-out
+    prompt `slot` (its index among all the held-out prompts), evaluated after `step` updates;
+    the first turn's (turn 1) draws all of the prompt's episodes. A key of validation's own, so
+    it never repeats a training draw (fnt.rollout.sampling.sampling_seed). Pure."""
+    key = f"val/{seed}/{step}/{slot}/{index}/{turn}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class SampledTurns:
+    """A TurnSampler that samples every turn at `temperature`, each prompt's first turn and
+    each episode's later turns from generators seeded by `val_seed`; slots[i] is the index among
+    all held-out prompts of this call's prompt i."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stop_token_ids: Collection[int],
+        temperature: float,
+        seed: int,
+        step: int,
+        slots: Sequence[int],
+    ) -> None:
+        self.model, self.stop_token_ids, self.temperature = model, stop_token_ids, temperature
+        self.seed, self.step, self.slots = seed, step, slots
+        self.device = next(model.parameters()).device
+
+    def _generate(self, contexts, num_samples, max_new_tokens, seeds) -> list[list[Completion]]:
+        return generate(
+            self.model,
+            contexts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            temperature=self.temperature,
+            generators=[torch.Generator(device=self.device).manual_seed(s) for s in seeds],
+        )
+
+    def first(self, prompts, num_samples, max_new_tokens) -> list[list[Completion]]:
+        seeds = [val_seed(self.seed, self.step, self.slots[i]) for i in range(len(prompts))]
+        return self._generate(prompts, num_samples, max_new_tokens, seeds)
+
+    def next(self, contexts, max_new_tokens, keys) -> list[Completion]:
+        seeds = [
+            val_seed(self.seed, self.step, self.slots[i], index, turn) for i, index, turn in keys
+        ]
+        return [c for (c,) in self._generate(contexts, 1, list(max_new_tokens), seeds)]
+
+
+def held_out_episodes(
+    sampler: Any, prompts: Sequence[Prompt], data: EvalData, samples: int
+) -> list[list[tuple[Episode, Scored]]]:
+    """Per prompt, its `samples` episodes run to their end with `sampler` under the held-out
+    rules and each scored as training scores it (fnt.rollout.environments.episodes.score_episode;
+    rollout.on_truncated = "zero" scores a truncated episode 0)."""
+    assert data.rules is not None
+    rules = dataclasses.replace(data.rules, group_size=samples)
+    environment = data.environment or SingleTurnEnvironment(data.reward_fn)
+    groups = run_episodes(prompts, sampler, environment, data.tokenizer, rules)
+    return [
+        [
+            (
+                episode,
+                Scored(0.0)
+                if episode.truncated and rules.on_truncated == "zero"
+                else score_episode(episode, environment, rules),
+            )
+            for episode in group
+        ]
+        for group in groups
+    ]
+
+
+def kept_rewards(
+    group: Sequence[tuple[Episode, Scored]], data: EvalData, config: RLConfig
+) -> list[Scored]:
+    """The scores of a prompt's episodes that rollout.on_bad_reward keeps: "error" stops the
+    run at a NaN or infinite reward, naming the prompt; "skip" leaves that episode out."""
+    assert data.rules is not None
+    return [
+        scored
+        for episode, scored in group
+        if keep_group(
+            [scored.reward],
+            config.rollout.on_bad_reward,
+            episode.where(data.rules),
+            data.rules.reward_name,
+        )
+    ]
+
+
+def greedy_episode_sums(
+    engine: Any, data: EvalData, runtime: Runtime, config: RLConfig
+) -> tuple[float, float, dict[str, list[float]]]:
+    """`greedy_reward_sums` of whole greedy episodes: each held-out prompt's one episode run to
+    its end and scored by the environment on the whole conversation."""
+    mine = data.prompts[runtime.dp_rank :: runtime.dims.dp]
+    sampler = GreedyTurns(engine.model, engine.stop_token_ids)
+    kept = [
+        scored
+        for group in held_out_episodes(sampler, mine, data, 1)
+        for scored in kept_rewards(group, data, config)
+    ]
+    sums = torch.tensor(
+        [sum(s.reward for s in kept), float(len(kept))], dtype=torch.float64, device=runtime.device
+    )
+    reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
+    named = named_sums(part for scored in kept for part in scored.named)
+    return reward_sum, count, all_ranks_named_sums(named, runtime)
+
+
+def sampled_episode_sums(
+    engine: Any, data: EvalData, runtime: Runtime, config: RLConfig, step: int
+) -> tuple[float, float, float, float]:
+    """(summed reward, sample count, prompts passed, prompts scored) of val.samples sampled
+    episodes per held-out prompt, over all ranks: a prompt is scored when any of its samples is
+    kept (rollout.on_bad_reward), and passed when a kept one has reward >= PASS_REWARD."""
+    dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
+    mine = data.prompts[dp_rank::dp_size]
+    slots = range(dp_rank, len(data.prompts), dp_size)
+    sampler = SampledTurns(
+        engine.model,
+        engine.stop_token_ids,
+        config.rollout.temperature,
+        config.seed,
+        step,
+        slots,
+    )
+    totals = [0.0, 0.0, 0.0, 0.0]
+    for group in held_out_episodes(sampler, mine, data, config.val.samples):
+        rewards = [s.reward for s in kept_rewards(group, data, config)]
+        if rewards:
+            totals[0] += sum(rewards)
+            totals[1] += len(rewards)
+            totals[2] += float(max(rewards) >= PASS_REWARD)
+            totals[3] += 1.0
+    sums = torch.tensor(totals, dtype=torch.float64, device=runtime.device)
+    reward_sum, count, passed, scored = all_reduce_sum(sums, runtime.distributed).tolist()
+    return reward_sum, count, passed, scored
+
+
+def sampled_metrics(
+    k: int, reward_sum: float, count: float, passed: float, prompts: float
+) -> dict[str, float]:
+    """reward/avg@k and reward/pass@k (unprefixed) from `sampled_episode_sums`. Pure."""
+    return {
+        f"reward/avg@{k}": reward_sum / count if count else math.nan,
+        f"reward/pass@{k}": passed / prompts if prompts else math.nan,
+    }

@@ -80,6 +80,11 @@ VAL = (DataSourceConfig(path="val.jsonl"),)
         (Config(val=ValConfig(eval_on_start=True)), "validation needs data"),
         (Config(val=ValConfig(interval=3, sources=(DataSourceConfig(),))), r"'val.sources\[0\]"),
         (Config(val=ValConfig(interval=3, prompts="p.jsonl")), "need an RL run"),
+        (Config(val=ValConfig(interval=3, sources=VAL, samples=-1)), "'val.samples' = -1"),
+        (
+            Config(val=ValConfig(interval=3, sources=VAL, samples=4)),
+            "'val.samples' = 4: sampled episodes are of held-out prompts",
+        ),
         (
             RLConfig(
                 val=ValConfig(interval=3, prompts="p.jsonl"),

@@ -29,3 +29,14 @@ def feedback(rollout):
 
 def tools(rollout):
     return ToolEnvironment([add, broken], ascii_letters, system="Use the tools.")
+
+
+def half_letters(answer: str, record) -> float:
+    """ascii_letters, but 1 (a pass) once at least half the answer is letters."""
+    share = ascii_letters(answer, record)
+    return 1.0 if share >= 0.5 else share
+
+
+def lenient_feedback(rollout):
+    """feedback, with answers of half letters or more right: some samples pass, some do not."""
+    return FeedbackEnvironment(half_letters, threshold=1.0)
