@@ -98,6 +98,8 @@ def smooth(values: Sequence[Optional[float]], n: int) -> list[Optional[float]]:
 
 # A validation key shares the panel of the training key it mirrors (drawn dashed).
 SHARED_PANELS = {"val/loss": "loss/mean", "val/reward/mean": "reward/mean"}
+# val/reward/avg@K (val.samples = K): sampled at rollout.temperature, as reward/mean is.
+SAMPLED_REWARD = "val/reward/avg@"
 
 
 def panels(keys: Sequence[str]) -> list[list[str]]:
@@ -106,6 +108,8 @@ def panels(keys: Sequence[str]) -> list[list[str]]:
     grouped: dict[str, list[str]] = {}
     for key in keys:
         home = SHARED_PANELS.get(key)
+        if key.startswith(SAMPLED_REWARD):  # val.samples' held-out mirror of reward/mean
+            home = "reward/mean"
         grouped.setdefault(home if home in keys else key, []).append(key)
     return list(grouped.values())
 

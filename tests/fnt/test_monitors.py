@@ -242,6 +242,23 @@ def test_console_line_shows_reward_grad_norm_and_validation_when_the_row_has_the
     ]
 
 
+def test_a_console_line_shows_the_sampled_held_out_rewards_of_val_samples():
+    row = {
+        "step": 4,
+        "val/reward/mean": 0.25,
+        "val/reward/avg@4": 0.3125,
+        "val/reward/pass@4": 0.5,
+        "val/start/reward/pass@4": 0.25,
+    }
+    parts = console_line(row, max_steps=8, elapsed=1.0, steps_done=4).split(" | ")
+    assert parts[1:5] == [
+        "val/reward 0.250",
+        "val/avg@4 0.312",
+        "val/pass@4 50%",
+        "val/start/pass@4 25%",
+    ]
+
+
 def test_an_rl_console_line_shows_the_mean_turns_of_the_episodes():
     row = {"step": 2, "loss/mean": 0.1, "reward/mean": 0.5, "rollout/turns/mean": 2.25}
     parts = console_line(row, max_steps=4, elapsed=1.0, steps_done=2).split(" | ")

@@ -101,6 +101,12 @@ def test_panels_put_a_validation_key_with_its_training_key():
         ["optim/lr"],
         ["val/reward/mean"],
     ]
+    # val.samples = 4: the held-out sampled mean joins the sampled training reward's panel.
+    keys = ["reward/mean", "val/reward/mean", "val/reward/avg@4", "val/reward/pass@4"]
+    assert panels(keys) == [
+        ["reward/mean", "val/reward/mean", "val/reward/avg@4"],
+        ["val/reward/pass@4"],
+    ]
 
 
 def test_series_keeps_nulls_and_skips_rows_without_the_key():

@@ -65,7 +65,7 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
     | margin 0.412` (rewards/accuracies and rewards/margins) after its loss. Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
-    for key, label, spec in CONSOLE_FIELDS:
+    for key, label, spec in (*CONSOLE_FIELDS, *sampled_fields(row)):
         value = row.get(key)
         if isinstance(value, float):
             parts.append(f"{label} {_number(value, spec)}")
@@ -114,6 +114,24 @@ CONSOLE_FIELDS = (
     ("val/start/loss", "val/start/loss", ".4f"),
     ("val/start/reward/mean", "val/start/reward", ".3f"),
 )
+
+# Keys named by val.samples = k (fnt.evaluation.held_out): (key prefix, label prefix, format).
+SAMPLED_FIELDS = (
+    ("val/reward/avg@", "val/avg@", ".3f"),
+    ("val/reward/pass@", "val/pass@", ".0%"),
+    ("val/start/reward/avg@", "val/start/avg@", ".3f"),
+    ("val/start/reward/pass@", "val/start/pass@", ".0%"),
+)
+
+
+def sampled_fields(row: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The console fields of the row's val/reward/avg@k and pass@k keys (k is val.samples). Pure."""
+    return [
+        (key, label + key[len(prefix) :], spec)
+        for prefix, label, spec in SAMPLED_FIELDS
+        for key in row
+        if key.startswith(prefix)
+    ]
 
 
 class ConsoleMonitor:
