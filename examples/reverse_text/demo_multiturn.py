@@ -24,7 +24,11 @@ Its last line is one JSON object: {"sft": {...}, "rl": {...}, "tool_sft": {...},
 greedy) mean similarity of the first answer ("single_turn": what a single-turn episode scores)
 and of the episode's last answer ("multi_turn"), and the mean model turns; for the tool task's,
 the held-out (200 words, greedy) mean episode reward, tool calls and turns
-(examples/reverse_text/eval_episodes.py).
+(examples/reverse_text/eval_episodes.py). "rl_val" is the feedback RL run's own validation
+(fnt's in-run val, the same 200 held-out prompts run to the episode's end): its start state's and
+last step's greedy episode reward ("multi_turn", val/reward/mean), first answer's
+("single_turn", val/reward/first/mean: the one-turn score) and, over 4 sampled episodes per
+prompt at rollout.temperature, avg@4 and pass@4 (an exact reversal).
 
     python examples/reverse_text/demo_multiturn.py [--runs runs] [--seed 0]
 """
@@ -61,6 +65,8 @@ RL_STEPS = 100
 # the reversal of the tool's word at 0.61; 40 RL steps of 16 x 8 episodes raise it to 0.68
 # (8 x 8 episodes: 0.62, with a collapse to 0.14 sampled reward at step 6).
 TOOL_SFT_STEPS = 40
+# Sampled held-out episodes per prompt in the feedback RL run's val (val.samples).
+VAL_SAMPLES = 4
 TOOL_RL_STEPS = 40
 # The tool task's hidden words: disjoint between held-out prompts, SFT transcripts and RL prompts.
 TOOL_WORDS = {"heldout": 200, "sft": 2000, "rl": 2000}
@@ -114,6 +120,27 @@ def write_tool_data(out: Path, seed: int) -> None:
         else:
             records = [lookup_record(word) for word in words]
         (out / f"tool_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def run_validation(metrics: Path) -> dict:
+    """The in-run val of a feedback RL run's rows (metrics.jsonl): its start state's
+    (val/start/*, in the first row) and its last evaluated step's."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    k = VAL_SAMPLES
+
+    def read(row: dict, prefix: str) -> dict:
+        return {
+            "single_turn": row[f"{prefix}reward/first/mean"],
+            "multi_turn": row[f"{prefix}reward/mean"],
+            f"avg@{k}": row[f"{prefix}reward/avg@{k}"],
+            f"pass@{k}": row[f"{prefix}reward/pass@{k}"],
+        }
+
+    last = [row for row in rows if "val/reward/mean" in row][-1]
+    return {
+        "start": read(rows[0], "val/start/"),
+        "end": {"step": last["step"], **read(last, "val/")},
+    }
 
 
 def evaluate(model: Path, data: Path, environment: str = "feedback") -> dict:
@@ -202,9 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         rl_args += ["--rollout.environment", ENVIRONMENT, "--rollout.max-turns", "2"]
         rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
         rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
+        # The run validates its start and its end on the held-out prompts: whole episodes.
+        rl_args += ["--val.prompts", str(data / "heldout.jsonl"), "--val.eval-on-start"]
+        rl_args += ["--val.interval", str(args.rl_steps), "--val.samples", str(VAL_SAMPLES)]
         run("scripts/rl.py", *rl_args)
         export_last(rl_dir, rl_hf)
         result["rl"] = evaluate(rl_hf, data)
+        result["rl_val"] = run_validation(rl_dir / "metrics.jsonl")
         seconds["rl"] = time.time() - started - sum(seconds.values())
 
     if args.tasks != "feedback":
