@@ -40,3 +40,8 @@ def half_letters(answer: str, record) -> float:
 def lenient_feedback(rollout):
     """feedback, with answers of half letters or more right: some samples pass, some do not."""
     return FeedbackEnvironment(half_letters, threshold=1.0)
+
+
+def accepting_feedback(rollout):
+    """feedback that accepts every answer: each episode is one model turn."""
+    return FeedbackEnvironment(ascii_letters, threshold=0.0)

@@ -185,3 +185,18 @@ def test_sampled_validation_changes_no_training_row(policy_dir, prompts_file, va
     keys = {f"val/reward/avg@{K}", f"val/reward/pass@{K}", "val/reward/mean"}
     assert all(keys <= set(v) for _, v in validated)
     assert all(math.isfinite(v[f"val/reward/avg@{K}"]) for _, v in validated)
+
+
+def test_one_turn_episodes_score_as_the_one_turn_val(policy_dir, prompts_file, val_prompts):
+    # An environment that ends every episode after its first turn: the episode path (run to the
+    # end) gives exactly the one-turn path's sums, named rewards included.
+    from fnt.evaluation.held_out import greedy_episode_sums, greedy_reward_sums
+
+    config = val_config(policy_dir, prompts_file, val_prompts, factory="accepting_feedback")
+    state = rl_state(config)
+    data, engine, runtime = state.handles.val, state.handles.rollouts, state.handles.runtime
+    assert data.whole_episodes
+    engine.sync_weights_(state.handles.model)
+    episodes = greedy_episode_sums(engine, data, runtime, config)
+    one_turn = greedy_reward_sums(engine, data, runtime, config)
+    assert episodes == one_turn and episodes[1] == 6 and episodes[2]
