@@ -200,3 +200,29 @@ def test_one_turn_episodes_score_as_the_one_turn_val(policy_dir, prompts_file, v
     episodes = greedy_episode_sums(engine, data, runtime, config)
     one_turn = greedy_reward_sums(engine, data, runtime, config)
     assert episodes == one_turn and episodes[1] == 6 and episodes[2]
+
+
+def test_sampled_episodes_do_not_depend_on_the_number_of_ranks(
+    policy_dir, prompts_file, val_prompts
+):
+    # Two ranks' shares (prompts 0, 2, 4 and 1, 3, 5, each rank's sums before the all-reduce)
+    # add up to one rank's sums: each prompt's samples are seeded by its index among all
+    # held-out prompts, not by its place in a rank's batch.
+    import types
+
+    from fnt.evaluation.held_out import sampled_episode_sums
+
+    config = val_config(policy_dir, prompts_file, val_prompts, factory="lenient_feedback")
+    state = rl_state(config)
+    data, engine = state.handles.val, state.handles.rollouts
+    engine.sync_weights_(state.handles.model)
+
+    def rank(r, dp):
+        runtime = types.SimpleNamespace(
+            dp_rank=r, dims=types.SimpleNamespace(dp=dp), device="cpu", distributed=False
+        )
+        return sampled_episode_sums(engine, data, runtime, config, step=5)
+
+    one = rank(0, 1)
+    two = [a + b for a, b in zip(rank(0, 2), rank(1, 2))]
+    assert two == pytest.approx(one, abs=1e-12) and one[1] == K * 6 and one[3] == 6
