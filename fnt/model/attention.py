@@ -77,9 +77,7 @@ def _torch_varlen_problem() -> Optional[str]:
 HALF = ("bfloat16", "float16")
 
 KERNELS: dict[str, AttentionKernel] = {
-    "varlen": AttentionKernel(
-        "boundaries", ("cuda",), "fnt_varlen", _torch_varlen_problem, HALF
-    ),
+    "varlen": AttentionKernel("boundaries", ("cuda",), "fnt_varlen", _torch_varlen_problem, HALF),
     "flash_attention_3": AttentionKernel(
         "boundaries",
         ("cuda",),
