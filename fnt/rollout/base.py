@@ -383,6 +383,7 @@ EPISODE_SUMS = (
     "tool_errors",
     "truncated",
     "out_of_turns",
+    "env_failures",
 )
 
 
@@ -407,6 +408,8 @@ def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
         "tool_errors": float(sum(s.tool_errors for s in samples)),
         "truncated": float(sum(s.truncated for s in samples)),
         "out_of_turns": float(sum(ran_out_of_turns(s) for s in samples)),
+        # An environment's worker crashed or hung (fnt.rollout.environments.pooled).
+        "env_failures": float(sum(getattr(s, "env_failed", False) for s in samples)),
         "named": named_sums(pair for s in samples for pair in s.named_rewards),
     }
 
@@ -420,7 +423,8 @@ def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, f
     limit cut (max_new_tokens, max_episode_tokens) and rollout/max_turns_* those that ran out of
     turns (rollout.max_turns): two outcomes, an episode has at most one
     (fnt.rollout.environments.episodes); rollout/dropped_episodes counts the truncated episodes
-    rollout.on_truncated = "drop" left out of the batch.
+    rollout.on_truncated = "drop" left out of the batch; rollout/env_failures counts the episodes
+    whose environment failed (EnvironmentFailed: a crashed or hung worker).
     """
     n, nan = sums["episodes"], math.nan
     rewards = (
@@ -446,6 +450,7 @@ def episode_metrics(sums: dict[str, float], dropped: float = 0.0) -> dict[str, f
         "rollout/truncated_episodes": sums["truncated"],
         "rollout/max_turns_episodes": sums["out_of_turns"],
         "rollout/dropped_episodes": float(dropped),
+        "rollout/env_failures": sums.get("env_failures", 0.0),
         "rollout/sampled_tokens": sums["sampled_tokens"],
         "rollout/context_tokens": sums["context_tokens"],
     }

@@ -73,12 +73,14 @@ def raised(what: str, exc: BaseException) -> UserCodeRaised:
     return UserCodeRaised(f"{what}: {describe(exc)}" + (f"\n{frames}" if frames else ""))
 
 
-def call_user(fn: Callable[..., Any], what: str, *args: Any) -> Any:
+def call_user(
+    fn: Callable[..., Any], what: str, *args: Any, passes: tuple[type[Exception], ...] = ()
+) -> Any:
     """fn(*args); an exception it raises becomes `raised(what, exc)` (a UserCodeError it raised,
-    already told, passes as it is)."""
+    already told, and one of the types `passes` names, pass as they are)."""
     try:
         return fn(*args)
-    except UserCodeError:
+    except (UserCodeError, *passes):
         raise
     except Exception as exc:
         raise raised(what, exc) from None

@@ -42,6 +42,13 @@ own); the episode's reward and facts (tool calls, truncation, running out of tur
 last sample, and the earlier ones are `continued`, so an episode counts once in the metrics.
 Each sample must fit rollout.max_episode_tokens; `respond` and `score` then see the rewritten
 conversation, and `score_turns` still rewards every model turn of the episode.
+
+An environment that raises EnvironmentFailed (its worker crashed or hung,
+fnt.rollout.environments.pooled) ends the episode: it is worth the environment's
+`failure_reward` (default 0.0; `score` is not asked, and under turn credit every turn earns 0),
+an ordinary finite reward, so the group trains on it whatever rollout.on_bad_reward says (code
+that hangs the sandbox deserves a low reward), and `env_failed` on its sample counts it in
+rollout/env_failures.
 """
 
 from __future__ import annotations
@@ -55,7 +62,13 @@ from typing import Any, Optional, Protocol
 from fnt.errors import ConfigError, UserCodeError
 from fnt.rollout.advantages import discounted_returns, group_advantages, turn_advantages
 from fnt.rollout.environments.parsers import TurnParser, read_turn, turn_parser
-from fnt.rollout.environments.protocol import Environment, Reply, Scored, weighted_reward
+from fnt.rollout.environments.protocol import (
+    Environment,
+    EnvironmentFailed,
+    Reply,
+    Scored,
+    weighted_reward,
+)
 from fnt.rollout.environments.render import reply_ids
 from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import Prompt, render_prompt
@@ -94,6 +107,9 @@ class EpisodeSample(RolloutSample):
     turn_rewards: tuple[float, ...] = ()
     """rollout.credit = "turn": the reward of each model turn, before the score is added to
     the last one's; () under episode credit."""
+    env_failed: bool = False
+    """The environment failed on the episode (EnvironmentFailed): it ended and is worth the
+    environment's failure_reward."""
 
 
 def ran_out_of_turns(sample: RolloutSample) -> bool:
@@ -148,6 +164,7 @@ class Episode:
     tool_errors: int = 0
     truncated: bool = False  # a length cut (module docstring)
     out_of_turns: bool = False  # the environment answered the last allowed turn
+    env_failed: bool = False  # the environment raised EnvironmentFailed (module docstring)
     running: bool = True
     named: Optional[Scored] = field(default=None)
     # [start, end) of each model turn's sampled tokens in token_ids, in turn order.
@@ -196,7 +213,13 @@ def advance_(
         return
     record = episode.prompt.record
     what = f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}"
-    reply = call_user(environment.respond, what, record, list(episode.messages))
+    try:
+        reply = call_user(
+            environment.respond, what, record, list(episode.messages), passes=(EnvironmentFailed,)
+        )
+    except EnvironmentFailed:
+        episode.env_failed, episode.running = True, False
+        return
     if reply is None:
         episode.running = False
         return
@@ -295,11 +318,22 @@ def score_episode(episode: Episode, environment: Environment, rules: EpisodeRule
     """The episode's reward from the environment; a UserCodeError naming it, the prompt and the
     episode when it raises or returns what is not a reward. Under rollout.on_bad_reward = "skip"
     a raise scores NaN instead, so the episode's group is skipped and counted as a bad reward."""
+    if episode.env_failed:
+        return Scored(failure_reward(environment))
     where = episode.where(rules)
     last = episode.messages[-1].get("content") if episode.messages else None
     what = f"{rules.name} failed on {where} (episode {episode.index}, last turn {shown(last)})"
     try:
-        value = call_user(environment.score, what, episode.prompt.record, list(episode.messages))
+        value = call_user(
+            environment.score,
+            what,
+            episode.prompt.record,
+            list(episode.messages),
+            passes=(EnvironmentFailed,),
+        )
+    except EnvironmentFailed:
+        episode.env_failed = True
+        return Scored(failure_reward(environment))
     except UserCodeRaised:
         if rules.on_bad_reward == "skip":
             return Scored(math.nan)
@@ -309,6 +343,11 @@ def score_episode(episode: Episode, environment: Environment, rules: EpisodeRule
         return weighted_reward(value, weights, rules.name, where)
     except ValueError as e:
         raise UserCodeError(str(e)) from None
+
+
+def failure_reward(environment: Environment) -> float:
+    """What an episode whose environment failed is worth: its `failure_reward` (default 0.0)."""
+    return float(getattr(environment, "failure_reward", 0.0))
 
 
 def require_turn_scores(environment: Environment, rules: EpisodeRules) -> None:
@@ -327,12 +366,21 @@ def score_turns(episode: Episode, environment: Environment, rules: EpisodeRules)
     UserCodeError naming it, the prompt and the episode when it raises or returns anything but
     one real number per turn. Under rollout.on_bad_reward = "skip" a raise gives NaNs, so the
     group is skipped as for a bad score."""
+    if episode.env_failed:
+        return [0.0] * episode.turns
     where = episode.where(rules)
     what = f"{rules.name} (its score_turns) failed on {where} (episode {episode.index})"
     try:
         value = call_user(
-            environment.score_turns, what, episode.prompt.record, list(episode.messages)
+            environment.score_turns,
+            what,
+            episode.prompt.record,
+            list(episode.messages),
+            passes=(EnvironmentFailed,),
         )
+    except EnvironmentFailed:
+        episode.env_failed = True
+        return [0.0] * episode.turns
     except UserCodeRaised:
         if rules.on_bad_reward == "skip":
             return [math.nan] * episode.turns
@@ -474,6 +522,7 @@ def episode_samples(
                 token_advantages=per_token,
                 out_of_turns=episode.out_of_turns and last,
                 turn_rewards=turn_rewards,
+                env_failed=episode.env_failed and last,
             )
         )
     return samples

@@ -53,6 +53,11 @@ before, for an environment that asks for it).
 
 Environments must be deterministic functions of their arguments: a resumed run replays the
 episodes of a step exactly only when the same turns get the same replies.
+
+An environment whose own machinery failed (not the task: a sandbox worker that crashed or timed
+out, fnt.rollout.environments.pooled) raises `EnvironmentFailed` from `respond`, `score` or
+`score_turns`: the episode ends, is worth the environment's `failure_reward` attribute (default
+0.0) and is counted in rollout/env_failures; the run goes on. Any other exception stops the run.
 """
 
 from __future__ import annotations
@@ -64,6 +69,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union
 
 Message = Mapping[str, Any]
+
+
+class EnvironmentFailed(Exception):
+    """The environment could not answer (its worker crashed or timed out): the call's episode
+    fails, the run goes on (module docstring)."""
 
 
 @dataclass(frozen=True)

@@ -316,7 +316,12 @@ def test_rollout_metrics_of_one_process():
         "rollout/dropped_episodes": 0.0,
         "rollout/sampled_tokens": 20.0,
         "rollout/context_tokens": 4.0,
+        "rollout/env_failures": 0.0,
     }
+    # An episode whose environment failed (a crashed sandbox worker) is counted.
+    failed = EpisodeSample(**{**vars(samples[0]), "env_failed": True})
+    metrics = rollout_metrics([failed, *samples[1:]], 2.0, one_process_runtime())
+    assert metrics["rollout/env_failures"] == 1.0
     # An episode that ran out of turns is its own outcome, not a truncated one.
     out = EpisodeSample(**{**vars(samples[2]), "turns": 3, "out_of_turns": True})
     metrics = rollout_metrics([*samples[:2], out, samples[3]], 2.0, one_process_runtime())
