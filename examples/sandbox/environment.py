@@ -1,0 +1,71 @@
+"""A code-executing task run sandboxed: the model answers in a ```python block, the environment
+runs that code in a worker process under a time and memory limit and scores what it prints.
+Side effects: `pooled` starts worker processes (fnt.rollout.environments.pooled); `build`'s
+environment executes model-written code in the process it runs in (a worker, never the trainer).
+
+    rollout.environment = "examples.sandbox.environment:pooled"
+    rollout.prompts = "examples/sandbox/prompts.jsonl"   # {"prompt": ..., "answer": ...}
+
+Code that crashes its worker (os._exit, a segfault), sleeps or loops past the time limit, or
+allocates past the memory limit costs only its episode: it is worth 0 and counted in
+rollout/env_failures. Code that raises, or prints the wrong thing, scores 0 as an ordinary
+wrong answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+from fnt.rollout.environments import Start
+from fnt.rollout.environments.pooled import PooledEnvironment
+
+SYSTEM = "Answer with a Python program in a ```python code block that prints the answer."
+CODE_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+
+
+def program_of(text: str) -> str:
+    """The last ```python block of a model turn ("" when there is none)."""
+    blocks = CODE_BLOCK.findall(text)
+    return blocks[-1] if blocks else ""
+
+
+def run_program(code: str) -> str:
+    """What `code` prints; the text of its exception's type when it raises."""
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(output):
+            exec(compile(code, "<model>", "exec"), {"__name__": "__sandbox__"})
+    except Exception as e:  # the model's code failed: a wrong answer, not a broken sandbox
+        return f"{type(e).__name__}"
+    return output.getvalue()
+
+
+class SandboxEnvironment:
+    """One model turn; the reward is 1.0 when the program's output, stripped, is the record's
+    "answer", else 0.0."""
+
+    def start(self, record):
+        return Start(
+            ({"role": "system", "content": SYSTEM}, {"role": "user", "content": record["prompt"]})
+        )
+
+    def respond(self, record, messages):
+        return None
+
+    def score(self, record, messages):
+        printed = run_program(program_of(messages[-1]["text"]))
+        return 1.0 if printed.strip() == str(record["answer"]).strip() else 0.0
+
+
+def build(rollout):
+    """The environment itself; run it only in a worker (it executes the model's code)."""
+    return SandboxEnvironment()
+
+
+def pooled(rollout):
+    """The sandbox in two worker processes: 10 s per call, 1 GiB of address space each."""
+    return PooledEnvironment(
+        "examples.sandbox.environment:build", rollout, workers=2, timeout_s=10.0, memory_mb=1024
+    )
