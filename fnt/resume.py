@@ -184,6 +184,7 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.reward": MAY_CHANGE,
     "rollout.environment": MAY_CHANGE,  # like the reward: the task's rules
     "rollout.environment_args": MAY_CHANGE,  # like the environment: the task's rules
+    "rollout.environments": FIXED,  # its members and weights order the prompts: the data
     "rollout.max_turns": MAY_CHANGE,
     "rollout.max_episode_tokens": MAY_CHANGE,
     "rollout.on_truncated": MAY_CHANGE,

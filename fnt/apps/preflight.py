@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from fnt.config import Config, DataSourceConfig, RLConfig, RolloutConfig, engine_of, mode_of
-from fnt.config.environments import environment_kind, require_installed, supplies_prompts
+from fnt.config.environments import (
+    environment_kind,
+    member_rollout,
+    require_installed,
+    supplies_prompts,
+)
 from fnt.config.modes import reference_dir
 from fnt.config.references import ENVIRONMENT_SHAPE, import_function, require_function
 from fnt.config.schema import source_kind
@@ -109,7 +114,10 @@ def try_user_code(rollout: RolloutConfig) -> None:
     """The user's code called once on the first record of rollout.prompts before any model is
     built (`trial_run`): the environment factory, its start and its score,
     or the reward on a trial completion. A UserCodeError names the function, what it raised or
-    returned and the record. Not for an integration that makes its own prompts (fnt's code)."""
+    returned and the record. Not for an integration that makes its own prompts (fnt's code).
+    A mixture's members (rollout.environments) are tried each on its own entry's."""
+    for entry in rollout.environments:
+        try_user_code(member_rollout(rollout, entry))
     if supplies_prompts(rollout) or environment_kind(rollout.environment).build:
         return
     path, line_number, record = first_record(rollout.prompts, "rollout.prompts")
@@ -241,7 +249,11 @@ def require_episodes(rollout: RolloutConfig) -> None:
     (imported, taking the rollout config), or without one rollout.reward. A user's factory is
     called by `try_user_code`, after the first prompt record is checked; a built-in
     integration's is called here (fnt.config.environments), which checks its extra and
-    settings."""
+    settings. A mixture's members (rollout.environments) are checked each as its own."""
+    if rollout.environments:
+        for entry in rollout.environments:
+            require_episodes(member_rollout(rollout, entry))
+        return
     kind = environment_kind(rollout.environment)
     if kind.build:  # a built-in integration: its extra installed, its settings accepted
         require_installed(kind, rollout.environment)

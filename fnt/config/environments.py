@@ -12,8 +12,11 @@ Adding an integration is its implementation's file and one entry here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -192,8 +195,9 @@ def environment_kind(environment: str) -> EnvironmentKind:
 
 
 def supplies_prompts(rollout: RolloutConfig) -> bool:
-    """Whether the run's prompts come from its environment rather than rollout.prompts. Pure."""
-    return environment_kind(rollout.environment).supplies_prompts
+    """Whether the run's prompts come from its environment rather than rollout.prompts (a
+    mixture's always do: each member's own, or its entry's `prompts`). Pure."""
+    return bool(rollout.environments) or environment_kind(rollout.environment).supplies_prompts
 
 
 def has_prompts(rollout: RolloutConfig) -> bool:
@@ -203,8 +207,82 @@ def has_prompts(rollout: RolloutConfig) -> bool:
 
 def environment_val_size(rollout: RolloutConfig) -> int:
     """Held-out prompts per source the run's environment makes for val/ (0: none). Pure."""
+    if rollout.environments:
+        members = [member_rollout(rollout, entry) for entry in rollout.environments]
+        return max(environment_val_size(member) for member in members)
     kind = environment_kind(rollout.environment)
     return kind.held_out(rollout) if kind.held_out is not None else 0
+
+
+MIXTURE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What a mixture member's name may be made of: it is part of metric keys and file records."""
+
+
+def member_rollout(rollout: RolloutConfig, entry: Any) -> RolloutConfig:
+    """The rollout config a mixture member (an entry of rollout.environments) is checked and
+    built with: the run's, with the entry's environment, environment_args and prompts. Pure."""
+    return dataclasses.replace(
+        rollout,
+        environment=entry.environment,
+        environment_args=entry.environment_args,
+        prompts=entry.prompts,
+        environments=(),
+    )
+
+
+def check_mixture(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.environments is a mixture that can run: unique names made of
+    letters, digits, "_", "." and "-"; each entry an environment with weight > 0, and a
+    built-in that makes its own prompts without the entry's `prompts` (a "module:factory"
+    without them must make its own: fnt.rollout.environments.mixture checks it built); no
+    rollout.environment, rollout.environment_args or rollout.prompts beside it. Pure."""
+    for key in ("environment", "environment_args", "prompts"):
+        value = getattr(rollout, key)
+        if value:
+            raise ConfigError(
+                f"'rollout.{key}' = {value!r}: rollout.environments is set, so each of its "
+                f"entries names its own {key}; leave rollout.{key} empty"
+            )
+    names = [entry.name for entry in rollout.environments]
+    for i, entry in enumerate(rollout.environments):
+        key = f"rollout.environments[{i}]"
+        if not MIXTURE_NAME.fullmatch(entry.name):
+            raise ConfigError(
+                f"'{key}.name' = {entry.name!r}: name each environment with letters, digits, "
+                '"_", "." and "-" (it is part of metric keys: rollout/{name}/reward)'
+            )
+        if names.count(entry.name) > 1:
+            raise ConfigError(f"'rollout.environments' names {entry.name!r} twice: {names}")
+        if not (math.isfinite(entry.weight) and entry.weight > 0):
+            raise ConfigError(f"'{key}.weight' = {entry.weight!r}: must be a finite number > 0")
+        kind = environment_kind(entry.environment)
+        if kind.name == "single_turn":
+            raise ConfigError(
+                f"'{key}.environment' is empty: name the environment, \"module:factory\" or a "
+                'built-in one such as "reasoning_gym:TASK" (fnt rl --list-environments)'
+            )
+        module, colon, factory = entry.environment.partition(":")
+        if kind.name == "factory" and not (module and colon and factory):
+            raise ConfigError(
+                f"'{key}.environment' = {entry.environment!r}: must be \"module:factory\" or a "
+                'built-in one such as "reasoning_gym:TASK" (fnt rl --list-environments)'
+            )
+        if entry.environment_args and not kind.takes_environment_args:
+            raise ConfigError(
+                f"'{key}.environment_args' = {entry.environment_args!r}: is read only by an "
+                "environment that takes settings: "
+                + ", ".join(k.spelling for k in ENVIRONMENTS if k.takes_environment_args)
+            )
+        if kind.supplies_prompts and entry.prompts:
+            raise ConfigError(
+                f"'{key}.prompts' = {entry.prompts!r}: {entry.environment!r} makes its own "
+                "prompts; leave the entry's prompts empty"
+            )
+        if kind.check is not None:
+            try:
+                kind.check(member_rollout(rollout, entry))
+            except ConfigError as e:
+                raise ConfigError(f"{key} ({entry.name}): {e}") from None
 
 
 def is_installed(kind: EnvironmentKind) -> bool:

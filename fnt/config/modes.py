@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from fnt.config.engines import ENGINES, engine_of
 from fnt.config.environments import (
     ENVIRONMENTS,
+    check_mixture,
     environment_kind,
     environment_val_size,
     has_prompts,
@@ -279,6 +280,8 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
         if not ok:
             raise ConfigError(f"'rollout.{key}' = {getattr(rollout, key)!r}: {message}")
 
+    if rollout.environments:
+        check_mixture(rollout)
     kind = environment_kind(rollout.environment)
     if kind.check is not None:
         kind.check(rollout)
@@ -290,7 +293,7 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
         + ", ".join(k.spelling for k in ENVIRONMENTS if k.takes_environment_args),
     )
     require(
-        bool(rollout.reward or rollout.environment),
+        bool(rollout.reward or rollout.environment or rollout.environments),
         "reward",
         'name a reward (see fnt.rollout.rewards) or "module:function", or set rollout.environment',
     )
@@ -305,7 +308,7 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
         )
     require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
     require(
-        rollout.credit == "episode" or bool(rollout.environment),
+        rollout.credit == "episode" or bool(rollout.environment or rollout.environments),
         "credit",
         '"turn" needs rollout.environment, one whose score_turns rewards each model turn '
         "(docs/environments.md); rollout.reward scores whole completions only",

@@ -440,6 +440,23 @@ class ReasoningGymConfig:
     """System message of every prompt; empty: reasoning-gym's <answer> instruction (tag), none."""
 
 
+@dataclass_json
+@dataclass(frozen=True)
+class MixtureEntryConfig:
+    """One environment of a mixture (rollout.environments) and its share of each step's prompts."""
+
+    name: str = ""
+    """How metrics (rollout/{name}/reward) and saved samples name it: letters, digits, _ . -."""
+    environment: str = ""
+    """As rollout.environment: "module:factory", "reasoning_gym:TASK", "verifiers:TASKSET"."""
+    environment_args: str = ""
+    """As rollout.environment_args, for this environment only."""
+    prompts: str = ""
+    """JSONL prompts of a "module:factory" (empty: the environment makes its own)."""
+    weight: float = 1.0
+    """Relative share of this environment's prompts in a step (> 0)."""
+
+
 EngineName = Literal[tuple(ENGINES)]
 """The names of the rollout engines (fnt.config.engines.ENGINES)."""
 ToolParserName = Literal[
@@ -471,6 +488,8 @@ class RolloutConfig:
     """Episodes: "module:factory", "reasoning_gym:TASK", "verifiers:TASKSET"; "": one turn."""
     environment_args: str = ""
     """A JSON object of settings for environment = "verifiers:TASKSET": the taskset config's."""
+    environments: tuple[MixtureEntryConfig, ...] = ()
+    """Several environments mixed by weight: [[rollout.environments]] (docs/environments.md)."""
     max_turns: int = 4
     """Model turns per episode at most; an episode out of turns is not truncated: it is scored."""
     max_episode_tokens: int = 0

@@ -107,7 +107,9 @@ def rl_summary(
     samples = rollout.prompts_per_step * rollout.group_size
     scored_by = [f"reward {rollout.reward}"] * bool(rollout.reward)
     scored_by += [f"environment {rollout.environment}"] * bool(rollout.environment)
-    if rollout.environment:
+    mixed = [f"{e.name} {e.weight:g}" for e in rollout.environments]
+    scored_by += [f"environments {', '.join(mixed)}"] * bool(mixed)
+    if rollout.environment or mixed:
         scored_by.append(f"max_turns {rollout.max_turns}")
     policy = (
         "on-policy"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -38,6 +39,7 @@ from fnt.rollout.environments.episodes import (
     run_episodes,
     scored_samples,
 )
+from fnt.rollout.environments.mixture import MixtureEnvironment, member_name
 from fnt.rollout.environments.parsers import turn_parser
 from fnt.rollout.pack import RolloutSample, micro_batch_count, pack_rollouts
 from fnt.rollout.prompts import (
@@ -108,7 +110,7 @@ class PromptRollouts:
             std_normalize=rollout.std_normalize,
             prompts_path=where,
             name=name,
-            reward_name=rollout.environment or rollout.reward,
+            reward_name=rollout.environment or rollout.reward or name,
             turn_parser=turn_parser(
                 self.tokenizer.chat_template, rollout.tool_parser, rollout.reasoning_parser
             ),
@@ -144,6 +146,9 @@ class PromptRollouts:
     ) -> tuple[list[RolloutSample], int]:
         """The episodes of `prompts` (group_size each) run with `sampler` and scored, as samples
         in prompt order, and how many truncated episodes were dropped (rollout.on_truncated)."""
+        if isinstance(self.environment, MixtureEnvironment):  # its samples name their member
+            groups, dropped = self.episode_groups(prompts, sampler, policy_step)
+            return [sample for group in groups for sample in group], dropped
         episodes = run_episodes(prompts, sampler, self.environment, self.tokenizer, self.rules)
         return scored_samples(episodes, self.environment, self.rules, policy_step)
 
@@ -154,11 +159,14 @@ class PromptRollouts:
         episodes were dropped), and how many truncated episodes were dropped."""
         episodes = run_episodes(prompts, sampler, self.environment, self.tokenizer, self.rules)
         groups, dropped = [], 0
-        for group in episodes:
+        for prompt, group in zip(prompts, episodes):
             # Scoring is per group, so scoring each alone gives exactly what `episodes` gives.
             samples, group_dropped = scored_samples(
                 [group], self.environment, self.rules, policy_step
             )
+            if isinstance(self.environment, MixtureEnvironment):
+                name = member_name(prompt.record)
+                samples = [replace(sample, environment=name) for sample in samples]
             groups.append(samples)
             dropped += group_dropped
         return groups, dropped
@@ -194,6 +202,8 @@ class PromptRollouts:
             samples, seconds, runtime, generation_seconds=generation_seconds, dropped=dropped
         )
         metrics["rollout/staleness"] = float(staleness)
+        if isinstance(self.environment, MixtureEnvironment):
+            metrics.update(mixture_metrics(samples, self.environment.names, runtime))
         metrics.update(extra_metrics or {})
         return RLBatch(
             micro_batches=micro_batches,
@@ -301,6 +311,28 @@ def filter_metrics(rounds: int, filtered: int, exhausted: int) -> dict[str, floa
         "rollout/filtered_groups": float(filtered),
         "rollout/filter_exhausted_groups": float(exhausted),
     }
+
+
+def mixture_metrics(
+    samples: Sequence[RolloutSample], names: Sequence[str], runtime: Runtime
+) -> dict[str, float]:
+    """Each mixture member's episodes and mean reward over all ranks (a collective when
+    distributed): rollout/{name}/episodes, and rollout/{name}/reward over its finite rewards
+    (NaN when it has none this step). Every member of `names` has both keys every step, so
+    every row has the same keys."""
+    sums = []
+    for name in names:
+        ends = [s for s in samples if s.environment == name and not s.continued]
+        good = [s.reward for s in ends if math.isfinite(s.reward)]
+        sums += [float(len(ends)), float(len(good)), float(sum(good))]
+    tensor = torch.tensor(sums, dtype=torch.float64, device=runtime.device)
+    totals = all_reduce_sum(tensor, runtime.distributed).tolist()
+    metrics = {}
+    for i, name in enumerate(names):
+        episodes, scored, total = totals[3 * i : 3 * i + 3]
+        metrics[f"rollout/{name}/episodes"] = episodes
+        metrics[f"rollout/{name}/reward"] = total / scored if scored else math.nan
+    return metrics
 
 
 def rollout_policy_step(step: int, async_level: int) -> int:

@@ -96,6 +96,8 @@ class RolloutSample:
     token_advantages: Optional[tuple[float, ...]] = None
     """[L] each token's own advantage (rollout.credit = "turn": its turn's, 0.0 on context),
     trained in place of `advantage`; None: `advantage` on every token."""
+    environment: str = ""
+    """The mixture member (rollout.environments) whose episode it is; "": no mixture."""
 
     @property
     def length(self) -> int:

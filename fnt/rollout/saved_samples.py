@@ -52,6 +52,8 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
         "out_of_turns": ran_out_of_turns(sample),
         "policy_step": sample.policy_step,
     }
+    if sample.environment:  # a mixture's (rollout.environments): which member ran it
+        record["environment"] = sample.environment
     if sample.named_rewards:
         record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
     if sample.continued:  # its episode goes on in the next sample (a rewritten history)

@@ -5,6 +5,7 @@ run turn by turn (episodes.py). Pure, except
 that `environment_of` imports the module a "module:factory" (or a "module:function" reward)
 names and calls the factory (whose errors are the user's: fnt.rollout.user_code).
 
+`rollout.environments` (a list of entries) mixes several by weight (mixture.py).
 `rollout.environment = "module:factory"` names a function called once per run as
 factory(rollout_config) that returns the environment; empty is the single-turn environment
 with rollout.reward; a built-in integration's prefix ("reasoning_gym:TASK") is built by its
@@ -18,6 +19,7 @@ from fnt.config.environments import environment_kind, require_installed
 from fnt.config.references import ENVIRONMENT_SHAPE, import_function, require_function
 from fnt.errors import ConfigError
 from fnt.rollout.environments.feedback import FeedbackEnvironment
+from fnt.rollout.environments.mixture import MixtureEnvironment, mixture_of
 from fnt.rollout.environments.protocol import Environment, PromptSource, Reply, Start
 from fnt.rollout.environments.single_turn import SingleTurnEnvironment
 from fnt.rollout.environments.tools import ToolEnvironment, parse_tool_calls, tool_schema
@@ -27,6 +29,7 @@ from fnt.rollout.user_code import call_user
 __all__ = [
     "Environment",
     "FeedbackEnvironment",
+    "MixtureEnvironment",
     "PromptSource",
     "Reply",
     "SingleTurnEnvironment",
@@ -40,7 +43,11 @@ __all__ = [
 
 def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
     """The environment of a run and the name its errors use: rollout.environment's factory
-    called with the rollout config, or the single-turn environment with rollout.reward."""
+    called with the rollout config, or the single-turn environment with rollout.reward; with
+    rollout.environments, their mixture (fnt.rollout.environments.mixture)."""
+    if rollout.environments:
+        mixture = mixture_of(rollout, lambda member: environment_of(member)[0])
+        return mixture, f"the environments {list(mixture.names)} (rollout.environments)"
     if not rollout.environment:
         return SingleTurnEnvironment(reward_function(rollout.reward)), f"reward {rollout.reward!r}"
     kind = environment_kind(rollout.environment)
