@@ -127,6 +127,14 @@ def check_rl(config: RLConfig, dp: int) -> None:
         + ", ".join(name for name, e in ENGINES.items() if e.samples_prompts)
         + ")",
     )
+    require(
+        not rollout.environments or engine_of(rollout).samples_prompts,
+        "rollout.environments",
+        f"the {rollout.engine} engine's samples come from outside, so no environment runs them; "
+        "a mixture needs an engine that runs the episodes ("
+        + ", ".join(name for name, e in ENGINES.items() if e.samples_prompts)
+        + ")",
+    )
     check_filter_groups(rollout)
     engine = engine_of(rollout)
     if engine.samples_prompts:

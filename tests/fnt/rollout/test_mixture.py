@@ -174,6 +174,18 @@ def test_a_factory_without_prompts_must_make_its_own(prompts_file):
         mixture.prompt_sources("train")
 
 
+def test_an_engine_that_runs_no_episodes_refuses_a_mixture(policy_dir, prompts_file):
+    from fnt.config.modes import check_rl
+
+    config = rl_config(policy_dir, "", reward="", environments=entries(prompts_file))
+    check_rl(config, dp=1)  # the in-process engine runs the members' episodes
+    external = dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, engine="external")
+    )
+    with pytest.raises(ConfigError, match=r"'rollout.environments' = .*the external engine's"):
+        check_rl(external, dp=1)
+
+
 def test_a_valid_mixture_passes_validation(prompts_file):
     validate_rollout(mixture_rollout(prompts_file), dp_size=1)
 
