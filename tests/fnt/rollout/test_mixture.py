@@ -246,3 +246,14 @@ def test_entries_come_from_toml_tables_and_from_the_command_line(tmp_path):
     assert config.rollout.environments == (
         MixtureEntryConfig(name="c", environment="m:g", weight=0.5),
     )
+
+
+def test_val_prompts_beside_a_mixture_is_one_clear_config_error(policy_dir, prompts_file):
+    from fnt.config.schema import ValConfig
+    from fnt.config.validation import validate_val
+
+    config = rl_config(policy_dir, "", reward="", environments=entries(prompts_file))
+    validate_val(config)  # no val section: nothing to check
+    config = dataclasses.replace(config, val=ValConfig(prompts=str(prompts_file), interval=1))
+    with pytest.raises(ConfigError, match=r"'val.prompts' = .*names no member to run it"):
+        validate_val(config)
