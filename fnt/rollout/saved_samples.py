@@ -58,6 +58,8 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
         record["rewards"] = {name: finite_or_none(v) for name, v in sample.named_rewards}
     if sample.continued:  # its episode goes on in the next sample (a rewritten history)
         record["continued"] = True
+    if getattr(sample, "env_failed", False):  # its environment crashed or hung
+        record["env_failed"] = True
     record["trained"] = trained_spans(sample.sampled)
     if sample.token_advantages is not None:  # rollout.credit = "turn": one per trained span
         record["turn_advantages"] = [sample.token_advantages[a] for a, _ in record["trained"]]

@@ -10,6 +10,7 @@ from examples.sandbox.environment import build as sandbox
 from fnt.errors import UserCodeError
 from fnt.rollout.base import episode_metrics, episode_sums
 from fnt.rollout.environments.pooled import PooledEnvironment
+from fnt.rollout.saved_samples import sample_record
 
 from .pooled_env import Misbehaving
 from .test_environments import episodes_of
@@ -76,6 +77,9 @@ def test_a_failed_reply_ends_the_episode_at_the_failure_reward_without_scoring(t
     assert [s.env_failed for s in samples] == [False, True, True]
     assert [s.reward for s in samples] == [1.0, -1.0, -1.0]
     assert episode_metrics(episode_sums(samples))["rollout/env_failures"] == 2.0
+    # The saved samples say which episodes failed.
+    assert sample_record(samples[1], tokenizer)["env_failed"] is True
+    assert "env_failed" not in sample_record(samples[0], tokenizer)
 
 
 def test_the_memory_limit_fails_only_the_episode_that_passed_it(tokenizer, pool):
