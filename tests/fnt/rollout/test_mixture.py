@@ -257,3 +257,47 @@ def test_val_prompts_beside_a_mixture_is_one_clear_config_error(policy_dir, prom
     config = dataclasses.replace(config, val=ValConfig(prompts=str(prompts_file), interval=1))
     with pytest.raises(ConfigError, match=r"'val.prompts' = .*names no member to run it"):
         validate_val(config)
+
+
+def mixture_batch(model_dir: str, prompts: str, output_dir: str):
+    """The first batch of a mixture run (8 prompts x 4), and the runtime that made it."""
+    from fnt import rl_source
+
+    config = rl_config(model_dir, "", reward="", environments=entries(prompts))
+    config = dataclasses.replace(config, batch_size=16, output_dir=output_dir)
+    config = dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, prompts_per_step=8)
+    )
+    state = rl_state(config)
+    return state.handles.runtime, rl_source(state)
+
+
+def save_mixture_batch(model_dir: str, prompts: str, out: str) -> None:
+    """A two-rank job: each rank's first mixture batch in OUT/rank{rank}.pt."""
+    from fnt.distributed.runtime import teardown_trainer
+
+    runtime, batch = mixture_batch(model_dir, prompts, f"{out}/run")
+    torch.save(batch.metrics, f"{out}/rank{runtime.rank}.pt")
+    teardown_trainer(runtime)
+
+
+def mixture_job(fixture, out):
+    inputs = [str(fixture("policy_dir")), str(fixture("prompts_file"))]
+    return {
+        "call": "tests.fnt.rollout.test_mixture:save_mixture_batch",
+        "args": [*inputs, str(out)],
+    }
+
+
+@pytest.mark.two_ranks(job=mixture_job)
+def test_two_ranks_log_each_environment_as_one_process(
+    policy_dir, prompts_file, two_rank_runs, tmp_path
+):
+    out = two_rank_runs(mixture_job)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    _, one = mixture_batch(str(policy_dir), str(prompts_file), str(tmp_path))
+    assert one.metrics["rollout/own/episodes"] > 0 and one.metrics["rollout/file/episodes"] > 0
+    for key in ("rollout/own/episodes", "rollout/file/episodes", "reward/mean"):
+        assert ranks[0][key] == ranks[1][key] == pytest.approx(one.metrics[key]), key
+    assert ranks[0]["rollout/own/reward"] == ranks[1]["rollout/own/reward"] == 1.0
+    assert ranks[0]["rollout/file/reward"] == ranks[1]["rollout/file/reward"] == 2.0
