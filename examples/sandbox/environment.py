@@ -55,7 +55,8 @@ class SandboxEnvironment:
         return None
 
     def score(self, record, messages):
-        printed = run_program(program_of(messages[-1]["text"]))
+        turn = messages[-1]  # "text" is the whole turn; start-up's trial turn has "content"
+        printed = run_program(program_of(turn.get("text", turn.get("content", ""))))
         return 1.0 if printed.strip() == str(record["answer"]).strip() else 0.0
 
 
