@@ -280,17 +280,17 @@ def validate_val(config: Config) -> None:
                 f"prompts come from an inference copy of the policy, which only the {greedy} "
                 "rollout engine holds: set rollout.engine to it, or the key to 0"
             )
-    if val.prompts and getattr(config, "rollout", None) and config.rollout.environments:
-        raise ConfigError(
-            f"'val.prompts' = {val.prompts!r}: rollout.environments is a mixture, and a prompt of "
-            "val.prompts names no member to run it; a mixture validates on its members' own "
-            "held-out prompts (e.g. rollout.reasoning_gym.val_size)"
-        )
     if val.prompts:
         if not mode_of(config).rollouts:
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: prompts are scored by rollout.reward, so they "
                 "need an RL run (fnt rl); an SFT run validates on val.sources"
+            )
+        if config.rollout.environments:
+            raise ConfigError(
+                f"'val.prompts' = {val.prompts!r}: rollout.environments is a mixture, and a "
+                "prompt of val.prompts names no member to run it; a mixture validates on its "
+                "members' own held-out prompts (e.g. rollout.reasoning_gym.val_size)"
             )
         if not engine_of(config.rollout).greedy_eval or not has_prompts(config.rollout):
             greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
