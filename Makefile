@@ -10,13 +10,11 @@ setup: $(VENV)/.installed $(VENV)/.native
 
 # The CPU build of torch is installed first where no torch is present, so that the range in
 # pyproject.toml (torch>=2.6) never pulls the multi-GB CUDA build on a CPU machine.
-# --no-compile: Python compiles what is imported when it is first imported, not the thousands
-# of modules of torch and the dev tools that nothing imports (about 13 s of a 60 s set-up).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
 # The native CPU AdamW kernel, compiled into its cache now rather than by the first test or run
