@@ -186,6 +186,8 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.environment_args": MAY_CHANGE,  # like the environment: the task's rules
     "rollout.environments": FIXED,  # its members and weights order the prompts: the data
     "rollout.max_turns": MAY_CHANGE,
+    "rollout.lockstep": MAY_CHANGE,  # when turns are sampled, not what they draw from
+    "rollout.env_concurrency": MAY_CHANGE,
     "rollout.max_episode_tokens": MAY_CHANGE,
     "rollout.on_truncated": MAY_CHANGE,
     "rollout.tool_parser": MAY_CHANGE,  # like the environment: how turns are read

@@ -315,6 +315,7 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
             "(fnt rl --list-environments)",
         )
     require(rollout.max_turns >= 1, "max_turns", "must be at least 1")
+    require(rollout.env_concurrency >= 1, "env_concurrency", "must be at least 1")
     require(
         rollout.credit == "episode" or bool(rollout.environment or rollout.environments),
         "credit",

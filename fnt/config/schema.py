@@ -494,6 +494,10 @@ class RolloutConfig:
     """Model turns per episode at most; an episode out of turns is not truncated: it is scored."""
     max_episode_tokens: int = 0
     """Tokens per episode at most, prompt, replies and sampled turns together (0: seq_len)."""
+    lockstep: bool = False
+    """true: every turn waits for all episodes (one batched call); false: each goes on alone."""
+    env_concurrency: int = 8
+    """Environment calls (respond, score) running at once, on threads; 1: one after another."""
     on_truncated: Literal["score", "zero", "drop"] = "score"
     """An episode a length limit cut: scored as it is, given reward 0, or dropped from the batch."""
     tool_parser: ToolParserName = "auto"
