@@ -48,6 +48,21 @@ text) per sampled token against 4.9 for one turn; per token, multi-turn costs ab
 because its rollout decodes three turns one after another, 64 sequences at a time against 144,
 each attending to a longer context.
 
+The multi-turn episodes run under the default schedule (episodes that advance on their own);
+the same episodes under rollout.lockstep = true (every turn a barrier over all episodes) are
+timed in the same run as a third side (multi_turn_lockstep; lockstep_tok_s_ratio).
+
+`--long-tail` times the two schedules of multi-turn episodes against each other, step by step in
+turn (which side goes first alternates): rollout.lockstep = true against the default, episodes
+that advance on their own, on the same seed, prompts and policy (the starting one, optim.lr = 0,
+as --multi-turn, from the demo's SFT result). The environment (scripts/bench_rl_env.py) runs
+each prompt's episodes for 1 to 8 turns, long-tailed (40% one turn, 3% eight; 2.6 on average),
+and each of its calls takes --latency-ms (20; one call in 8 five times as long), as a tool or a
+sandbox would; 16 prompts x 4 episodes a step. It reports seconds per step (rollout, update),
+per sampled token, the environment's latency a step (its calls' sleeps, summed: what a schedule
+that makes them one after another waits), whether both sides sampled the same tokens and
+rewards, and each ratio lockstep over independent (target: at least 1.5).
+
 `--compile` times fnt with model.compile (every decoder layer compiled, fnt.model.compile, the
 in-process engine's copy included: it decodes compiled) against fnt eager, step by step in turn:
 rollout and update seconds separately and generation tokens/s (rollout/tokens_per_second;
@@ -57,7 +72,7 @@ compiled side spent compiling (all of them, warm-up included) and the break-even
 
     python scripts/bench_rl.py [--steps 12] [--warmup 2] [--model DIR --prompts FILE] [--work DIR]
                                [--engine vllm [--vllm-url URL | --vllm PROGRAM]] [--multi-turn]
-                               [--compile]
+                               [--long-tail [--latency-ms 20]] [--compile]
 """
 
 from __future__ import annotations
@@ -485,8 +500,11 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
         out = work / f"fnt-single-turn-{prompts}"
         return fnt_config(task, out, 0, *shape, f"--rollout.prompts_per_step={prompts}")
 
-    multi_config = fnt_config(
-        task, work / "fnt-multi-turn", 0, *shape, *multi, "--rollout.prompts_per_step=8"
+    multi += ["--rollout.prompts_per_step=8"]
+    multi_config = fnt_config(task, work / "fnt-multi-turn", 0, *shape, *multi)
+    # The same episodes under the old schedule (every turn a barrier over all episodes).
+    lockstep_config = fnt_config(
+        task, work / "fnt-multi-turn-lockstep", 0, *shape, *multi, "--rollout.lockstep=true"
     )
     runtime = setup_trainer(multi_config)
     states = {"multi_turn": init_state(multi_config, runtime)}
@@ -505,6 +523,7 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
     prompts = max(
         1, round(statistics.fmean(sampled["multi_turn"]) / statistics.fmean(sampled["single_turn"]))
     )
+    states["multi_turn_lockstep"] = init_state(lockstep_config, runtime)
     states["single_turn"] = init_state(single_turn(prompts), runtime)
     keys = ("step_s", "rollout_s", "update_s", "sampled", "context", "turns", "reward")
     seen = {side: {k: [] for k in keys} for side in states}
@@ -538,7 +557,7 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
         f"{torch.get_num_threads()} thread(s), median of {args.steps} steps after {args.warmup}"
     )
     print(
-        f"{'':12} {'step s':>7} {'rollout s':>9} {'update s':>8} {'sampled tok':>11} "
+        f"{'':19} {'step s':>7} {'rollout s':>9} {'update s':>8} {'sampled tok':>11} "
         f"{'context tok':>11} {'turns':>6} {'sampled tok/s':>13} {'all tok/s':>9}"
     )
     for side, values in seen.items():
@@ -558,7 +577,7 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
             "reward_mean": statistics.fmean(values["reward"]),
         }
         print(
-            f"{side:12} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['update_s']:8.3f} "
+            f"{side:19} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['update_s']:8.3f} "
             f"{row['sampled_tokens']:11.0f} {row['context_tokens']:11.0f} "
             f"{row['turns_mean']:6.2f} {rate:13.0f} {all_rate:9.0f}"
         )
@@ -569,6 +588,126 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
     print(f"all tokens/s (sampled and context) single_turn / multi_turn = {all_ratio:.3f}")
     result["tok_s_ratio"] = ratio
     result["all_tok_s_ratio"] = all_ratio
+    lockstep_ratio = (
+        result["single_turn_sampled_tok_s"] / result["multi_turn_lockstep_sampled_tok_s"]
+    )
+    print(f"sampled tokens/s single_turn / multi_turn_lockstep = {lockstep_ratio:.3f}")
+    result["lockstep_tok_s_ratio"] = lockstep_ratio
+    return result
+
+
+LONG_TAIL_ENV = "scripts.bench_rl_env:long_tail"
+
+
+def compare_schedules(args, task: list[str], work: Path) -> dict:
+    """Long-tailed episodes with environment latency under rollout.lockstep = true against the
+    default schedule, episodes that advance on their own (module docstring); prints the table
+    and returns the JSON result."""
+    from fnt import init_state, rl_source, setup_trainer, to_floats
+    from steps import rl_step
+
+    if str(REPO) not in sys.path:  # the environment's module: scripts.bench_rl_env
+        sys.path.insert(0, str(REPO))
+    from scripts import bench_rl_env
+
+    bench_rl_env.LATENCY_MS = args.latency_ms  # what the factory gives the environments it makes
+    # 16 prompts x 4 episodes: the long tail is across prompts (an episode's turns are its
+    # record's), so more prompts than the multi-turn case's 8. An 8-turn episode holds about
+    # 300 tokens: seq_len 512; a row of its own for every episode. The starting policy, as
+    # --multi-turn (optim.lr = 0): a learning one's answers grow until max_new_tokens cuts
+    # them, which ends episodes early.
+    shape = ["--seq_len=512", "--batch_size=64", "--micro_batch_size=8"]
+    shape += ["--rollout.prompts_per_step=16", "--rollout.group_size=4"]
+    shape += ["--optim.lr=0", "--schedule.min_lr=0"]
+    shape += [
+        f"--rollout.environment={LONG_TAIL_ENV}",
+        f"--rollout.max_turns={bench_rl_env.MAX_TURNS}",
+    ]
+    configs = {
+        side: fnt_config(task, work / f"fnt-{side}", 0, *shape, f"--rollout.lockstep={lockstep}")
+        for side, lockstep in (("lockstep", "true"), ("independent", "false"))
+    }
+    runtime = setup_trainer(configs["independent"])
+    states = {side: init_state(config, runtime) for side, config in configs.items()}
+    keys = ("step_s", "rollout_s", "update_s", "sampled", "turns", "reward", "slept_s")
+    seen = {side: {k: [] for k in keys} for side in states}
+    for i in range(args.warmup + args.steps):
+        # Both sides step i on the same prompts; which goes first alternates, so that machine
+        # noise and what one side leaves in the caches hit both alike.
+        for side in list(states)[:: 1 if i % 2 == 0 else -1]:
+            slept = bench_rl_env.slept_seconds()
+            state, rolled, updated, row = fnt_step(states[side], rl_source, rl_step, to_floats)
+            states[side] = state
+            if i >= args.warmup:
+                values = (
+                    rolled + updated,
+                    rolled,
+                    updated,
+                    row["rollout/sampled_tokens"],
+                    row["rollout/turns/mean"],
+                    row["reward/mean"],
+                    bench_rl_env.slept_seconds() - slept,
+                )
+                for key, value in zip(keys, values):
+                    seen[side][key].append(value)
+    for state in states.values():
+        state.handles.rollouts.close()
+
+    rollout = configs["independent"].rollout
+    result: dict = {"case": "long_tail", "steps": args.steps, "threads": torch.get_num_threads()}
+    result |= {
+        "episodes_per_step": rollout.prompts_per_step * rollout.group_size,
+        "env_concurrency": rollout.env_concurrency,
+        "latency_ms": bench_rl_env.LATENCY_MS,
+    }
+    print(
+        f"long_tail: {rollout.prompts_per_step} prompts x {rollout.group_size} episodes of 1-"
+        f"{bench_rl_env.MAX_TURNS} turns, each environment call {bench_rl_env.LATENCY_MS} ms "
+        f"(1 in {bench_rl_env.SLOW_ONE_IN} x{bench_rl_env.SLOW_FACTOR}); env_concurrency "
+        f"{rollout.env_concurrency}; the starting policy (optim.lr = 0); <= "
+        f"{rollout.max_new_tokens} new tokens a turn; {torch.get_num_threads()} thread(s), "
+        f"median of {args.steps} steps after {args.warmup}"
+    )
+    print(
+        f"{'':12} {'step s':>7} {'rollout s':>9} {'update s':>8} {'env s':>6} "
+        f"{'sampled tok':>11} {'ms/sampled tok':>14} {'turns':>6} {'reward':>7}"
+    )
+    for side, values in seen.items():
+        per_token = median([t / n for t, n in zip(values["step_s"], values["sampled"])])
+        row = {
+            "step_s": median(values["step_s"]),
+            "rollout_s": median(values["rollout_s"]),
+            "update_s": median(values["update_s"]),
+            "env_latency_s": median(values["slept_s"]),
+            "sampled_tokens": statistics.fmean(values["sampled"]),
+            "s_per_sampled_token": per_token,
+            "turns_mean": statistics.fmean(values["turns"]),
+            "reward_mean": statistics.fmean(values["reward"]),
+        }
+        print(
+            f"{side:12} {row['step_s']:7.3f} {row['rollout_s']:9.3f} {row['update_s']:8.3f} "
+            f"{row['env_latency_s']:6.2f} {row['sampled_tokens']:11.0f} {1000 * per_token:14.2f} "
+            f"{row['turns_mean']:6.2f} {row['reward_mean']:7.3f}"
+        )
+        result |= {f"{side}_{k}": v for k, v in row.items()}
+    lockstep, independent = seen["lockstep"], seen["independent"]
+    # The same seed, prompts and policy: the schedule must not change what is sampled.
+    result["same_samples"] = (lockstep["sampled"], lockstep["reward"]) == (
+        independent["sampled"],
+        independent["reward"],
+    )
+    for name, key in (
+        ("step_s_ratio", "step_s"),
+        ("rollout_s_ratio", "rollout_s"),
+        ("per_sampled_token_ratio", "s_per_sampled_token"),
+    ):
+        result[name] = result[f"lockstep_{key}"] / result[f"independent_{key}"]
+    print(
+        f"lockstep / independent: step {result['step_s_ratio']:.3f}, rollout "
+        f"{result['rollout_s_ratio']:.3f}, per sampled token "
+        f"{result['per_sampled_token_ratio']:.3f} (target >= 1.5); the same samples: "
+        f"{result['same_samples']}"
+    )
     return result
 
 
@@ -594,21 +733,36 @@ def main() -> None:
         help="3-turn episodes against single-turn ones of as many sampled tokens (in-process)",
     )
     p.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="episodes of 1-8 turns with environment latency: lockstep against independent",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=20.0,
+        help="--long-tail: each environment call's latency (1 in 8 calls takes 5x as long)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="fnt with model.compile against fnt eager (in-process engine)",
     )
     args = p.parse_args()
+    if args.latency_ms < 0:
+        p.error(f"--latency-ms {args.latency_ms}: must be at least 0")
 
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         model, prompts = demo_inputs(work)
         model, prompts = args.model or model, args.prompts or prompts
-        if args.multi_turn:
+        if args.multi_turn or args.long_tail:
             model = args.model or demo_sft_model(work, model)
         task = task_args(model, prompts)
         if args.multi_turn:
             result = compare_turns(args, task, work)
+        elif args.long_tail:
+            result = compare_schedules(args, task, work)
         elif args.compile:
             result = compare_compile(args, task, work)
         elif args.engine == "in_process":
