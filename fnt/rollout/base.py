@@ -116,6 +116,8 @@ class PromptRollouts:
             ),
             credit=rollout.credit,
             turn_discount=rollout.turn_discount,
+            lockstep=rollout.lockstep,
+            env_concurrency=rollout.env_concurrency,
         )
         require_turn_scores(self.environment, self.rules)
         # Whether an episode may have a later turn (engines keep what continues it, if so).

@@ -1,5 +1,7 @@
 """The user's own code (rewards, environments and their factories) called so that its failures
-are told in one line. Pure, except for what the user's functions do when called.
+are told in one line. Pure, except for what the user's functions do when called, and for the
+event loop thread that runs the coroutines of async ones (started on the first, it lives as long
+as the process).
 
 A user's function that raises, or returns what its protocol does not allow, becomes a
 UserCodeError (fnt.errors): a first line naming the function, the exception or the value, and
@@ -8,6 +10,11 @@ installed package's), so the message points at the user's line and at nothing el
 exception is a `UserCodeRaised`, which rollout.on_bad_reward = "skip" may skip during training
 (fnt.rollout.environments.episodes); a wrong return type always stops the run.
 
+A user's function may be async (`async def respond(...)`, an environment that awaits a sandbox
+or a server): its coroutine runs to its end on fnt's one event loop, in a thread of its own, and
+the caller waits for it, so every async call of a run shares one loop (a client session opened in
+one call works in the next) and calls from several threads run concurrently there.
+
 fnt.apps.preflight's `try_user_code` calls what scores a run's episodes once on its first
 prompt record before any model is built, so such a failure costs seconds instead of a model
 load and a sampled step.
@@ -15,7 +22,10 @@ load and a sampled step.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import sysconfig
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -79,8 +89,34 @@ def call_user(
     """fn(*args); an exception it raises becomes `raised(what, exc)` (a UserCodeError it raised,
     already told, and one of the types `passes` names, pass as they are)."""
     try:
-        return fn(*args)
+        result = fn(*args)
+        return run_coroutine(result) if inspect.isawaitable(result) else result
     except (UserCodeError, *passes):
         raise
     except Exception as exc:
         raise raised(what, exc) from None
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """fnt's event loop for async user code, running in a daemon thread started on first use."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="fnt-user-async", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+def run_coroutine(awaitable: Any) -> Any:
+    """The result of `awaitable` run on fnt's event loop; the calling thread waits for it (it
+    must not be the loop's own thread). What it raises is raised here."""
+
+    async def wrapped() -> Any:
+        return await awaitable
+
+    return asyncio.run_coroutine_threadsafe(wrapped(), event_loop()).result()

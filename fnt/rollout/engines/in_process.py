@@ -10,13 +10,15 @@ One step's rollout, on every rank at the same point of the fold:
 1. sync: the policy's full state dict (gathered from its FSDP2 shards) is loaded into the copy;
 2. the step's global prompts are the next prompts_per_step of the prompt order; this rank takes
    its contiguous share;
-3. the rank's episodes run in batched turns (fnt.rollout.environments.episodes): the first turn
-   decodes the rank's prompts together, group_size completions each, sampled from the copy;
-   each prompt's draws come from its own generator, seeded by (seed, step, the prompt's slot in
-   the step), so a step's samples do not depend on the number of ranks and a resumed run draws
-   exactly what an uninterrupted one would (fnt.rollout.sampling); with an environment that
-   answers, every later turn is one batched decode of the episodes still running, which reads
-   only each episode's new tokens: its KV cache is kept from turn to turn (`ModelTurns`);
+3. the rank's episodes run (fnt.rollout.environments.episodes): the first turn decodes the
+   rank's prompts together, group_size completions each, sampled from the copy; each prompt's
+   draws come from its own generator, seeded by (seed, step, the prompt's slot in the step), so
+   a step's samples do not depend on the number of ranks and a resumed run draws exactly what
+   an uninterrupted one would (fnt.rollout.sampling); with an environment that answers, each
+   episode's next turn joins the decoding batch as soon as its environment has answered
+   (continuous batching, fnt.rollout.continuous; `ModelStream`), or under rollout.lockstep every
+   later turn is one batched decode of the episodes still running (`ModelTurns`); either way a
+   later turn reads only the episode's new tokens: its KV cache is kept from turn to turn;
 4. each episode is scored by the environment (single-turn: rollout.reward of its completion),
    advantages are relative within the group;
 5. with rollout.filter_groups, the groups whose advantages are all zero (equal rewards) are
@@ -34,7 +36,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -53,6 +55,7 @@ from fnt.rollout.base import (
     has_signal,
     rollout_policy_step,
 )
+from fnt.rollout.continuous import ContinuousBatch, Request, supports
 from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import step_prompts
 from fnt.rollout.sampling import Completion, RowCache, generate, sampling_seed, turn_seed
@@ -127,6 +130,22 @@ class ModelTurns:
             self.caches[(slot, index)] = completion.cache
         return dataclasses.replace(completion, cache=None)
 
+    def stream(self) -> Optional["ModelStream"]:
+        """Continuous batching of the turns (rollout.lockstep = false), when the model's cache
+        keeps every token and episodes may have later turns; else None (lockstep)."""
+        if not (self.keep_caches and supports(self.model)):
+            return None
+        return ModelStream(self)
+
+    def reusable_cache(self, slot: int, index: int, context) -> Optional[RowCache]:
+        """The episode's kept cache, taken from the store, when it is of a prefix of `context`:
+        an environment that rewrote the history (Reply.history) starts the episode's context
+        anew, and what the cache read is no longer its beginning."""
+        cache = self.caches.pop((slot, index), None)
+        if cache is None or tuple(context[: len(cache.token_ids)]) != cache.token_ids:
+            return None
+        return cache
+
     def first(self, prompts, num_samples, max_new_tokens):
         seed = self.engine.config.seed
         seeds = [sampling_seed(seed, self.step, self.lo + i) for i in range(len(prompts))]
@@ -141,16 +160,56 @@ class ModelTurns:
         seeds = [
             turn_seed(seed, self.step, self.lo + slot, index, turn) for slot, index, turn in keys
         ]
-        caches = [self.caches.get((slot, index)) for slot, index, _ in keys]
-        # An environment that rewrote the history (Reply.history) starts the episode's context
-        # anew, and what the cache read is no longer its beginning.
         caches = [
-            c if c is None or tuple(ctx[: len(c.token_ids)]) == c.token_ids else None
-            for c, ctx in zip(caches, contexts)
+            self.reusable_cache(slot, index, c) for (slot, index, _), c in zip(keys, contexts)
         ]
         self.caches = {}
         groups = self._generate(contexts, 1, list(max_new_tokens), seeds, caches)
         return [self._keep(c, slot, index) for (c,), (slot, index, _) in zip(groups, keys)]
+
+
+class ModelStream:
+    """The in-process engine's TurnStream (fnt.rollout.environments.episodes): the turns of a
+    step's episodes decode in one continuous batch (fnt.rollout.continuous), which a turn joins
+    as soon as it is asked for. The generators are ModelTurns' (a first turn draws from its
+    prompt's, a later one from its own), and so are the kept caches."""
+
+    def __init__(self, turns: ModelTurns) -> None:
+        self.turns = turns
+        rollout = turns.engine.config.rollout
+        self.batch = ContinuousBatch(
+            turns.model,
+            stop_token_ids=turns.engine.stop_token_ids,
+            temperature=rollout.temperature,
+            keep_caches=True,
+        )
+        self.deliver = None
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.turns.device).manual_seed(seed)
+
+    def start(self, prompts, num_samples, max_new_tokens, deliver) -> None:
+        turns, seed = self.turns, self.turns.engine.config.seed
+        self.deliver = deliver
+        for slot, ids in enumerate(prompts):
+            keys = tuple((slot, index, 1) for index in range(num_samples))
+            generator = self._generator(sampling_seed(seed, turns.step, turns.lo + slot))
+            self.batch.add(Request(keys, tuple(ids), max_new_tokens, generator))
+
+    def submit(self, context, max_new_tokens, key) -> None:
+        turns, (slot, index, turn) = self.turns, key
+        seed = turn_seed(turns.engine.config.seed, turns.step, turns.lo + slot, index, turn)
+        cache = turns.reusable_cache(slot, index, context)
+        self.batch.add(
+            Request((key,), tuple(context), max_new_tokens, self._generator(seed), cache)
+        )
+
+    def work(self) -> bool:
+        if not self.batch.busy:
+            return False
+        for (slot, index, turn), completion in self.batch.step():
+            self.deliver((slot, index, turn), self.turns._keep(completion, slot, index))
+        return True
 
 
 class InProcessEngine(PromptRollouts):

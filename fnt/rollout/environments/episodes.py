@@ -1,13 +1,22 @@
 """The episodes of one rank's step, run turn by turn, and their scored samples. Pure, except
 for what the engine's sampler and the environment do.
 
-All episodes of a step advance together: a turn is one batched sampling call over every
-episode still running (`TurnSampler`), and an episode that ends leaves the batch. The first
-turn samples group_size completions of each prompt, as a single-turn rollout always has (so a
-single-turn environment's samples are exactly those of before); each later turn samples one
-continuation per running episode. After every turn the environment answers or ends the
+The first turn samples group_size completions of each prompt, as a single-turn rollout always
+has (so a single-turn environment's samples are exactly those of before); each later turn
+samples one continuation of its episode. After every turn the environment answers or ends the
 episode, and the reply's tokens are appended after the sampled ones
-(fnt.rollout.environments.render).
+(fnt.rollout.environments.render). Episodes advance on their own (`run_independent`, the
+default): an episode's next turn is asked for as soon as its environment has answered, from an
+engine that samples turns as they come (`TurnStream`: the in-process engine batches them
+continuously, fnt.rollout.continuous; the vLLM engine sends each as its own request), and the
+environment's calls run concurrently on up to rollout.env_concurrency threads (an async
+environment's coroutines on fnt's event loop, fnt.rollout.user_code), so an episode never waits
+for another's turn or tool. Each turn draws from a generator of its own, seeded by (seed, step,
+slot, episode, turn), so the samples do not depend on the order in which episodes finish.
+Under rollout.lockstep = true (and with an engine that cannot stream turns, or one model turn
+per episode) every turn is one batched call over the episodes still running and the
+environment answers them one after another (`run_lockstep`): the schedule before
+rollout.lockstep existed, kept to measure against.
 
 Two limits end an episode early, and they are two outcomes. Truncation is a length cut: a turn
 cut off by max_new_tokens or by the episode's token budget (rollout.max_episode_tokens: 0 means
@@ -55,9 +64,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+import queue
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 from fnt.errors import ConfigError, UserCodeError
 from fnt.rollout.advantages import discounted_returns, group_advantages, turn_advantages
@@ -95,6 +106,8 @@ class EpisodeRules:
     turn_parser: Optional[TurnParser] = None
     credit: str = "episode"  # rollout.credit: "episode" or "turn" (module docstring)
     turn_discount: float = 1.0  # rollout.turn_discount, for credit "turn"
+    lockstep: bool = False  # rollout.lockstep: every turn waits for all episodes
+    env_concurrency: int = 8  # rollout.env_concurrency: environment calls at once
 
 
 @dataclass(frozen=True)
@@ -135,6 +148,42 @@ class TurnSampler(Protocol):
     ) -> list[Completion]:
         """One completion per context, at most max_new_tokens[i] long; keys[i] is (the prompt's
         index among this call's prompts, the episode's index in its group, the turn, from 2)."""
+        ...
+
+    def stream(self) -> Optional["TurnStream"]:
+        """The engine's sampler of turns as they come, or None when it samples only in
+        lockstep (a model whose cache drops tokens, in-process)."""
+        ...
+
+
+Delivery = Callable[[tuple[int, int, int], Union[Completion, BaseException]], None]
+"""How a TurnStream hands over a sampled turn: (slot, episode, turn) and its completion, or the
+exception that failed it; called from any thread."""
+
+
+class TurnStream(Protocol):
+    """What an engine does for episodes that advance on their own: sample turns as they are
+    asked for, each handed over as soon as it is done."""
+
+    def start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        num_samples: int,
+        max_new_tokens: int,
+        deliver: Delivery,
+    ) -> None:
+        """Sample num_samples first turns of each prompt, each delivered as ((the prompt's index,
+        the episode's index in its group, 1), completion); later turns are delivered so too."""
+        ...
+
+    def submit(self, context: Sequence[int], max_new_tokens: int, key: tuple[int, int, int]):
+        """Sample one continuation of `context` (turn key[2] of episode key[1] of slot key[0])."""
+        ...
+
+    def work(self) -> bool:
+        """Do what must run in the calling thread (in-process: one decode step, delivering the
+        turns it finished); False when nothing does (what is in flight is delivered from other
+        threads)."""
         ...
 
 
@@ -192,6 +241,25 @@ def advance_(
 ) -> None:
     """Append a sampled turn to the episode, ask the environment, and append its reply's tokens
     or end the episode (module docstring)."""
+    if not take_turn_(episode, completion, environment, tokenizer, rules):
+        return
+    try:
+        reply = respond(episode, environment, rules)
+    except EnvironmentFailed:
+        episode.env_failed, episode.running = True, False
+        return
+    take_reply_(episode, reply, completion, tokenizer, rules)
+
+
+def take_turn_(
+    episode: Episode,
+    completion: Completion,
+    environment: Environment,
+    tokenizer,
+    rules: EpisodeRules,
+) -> bool:
+    """Append a sampled turn to the episode; whether the environment is to answer it (else the
+    episode ended: a length cut)."""
     message = read_turn(
         tokenizer,
         rules.turn_parser or turn_parser(getattr(tokenizer, "chat_template", None)),
@@ -210,16 +278,33 @@ def advance_(
     episode.messages.append(message)
     if not completion.stopped:
         episode.truncated, episode.running = True, False
-        return
-    record = episode.prompt.record
+        return False
+    return True
+
+
+def respond(episode: Episode, environment: Environment, rules: EpisodeRules) -> Optional[Reply]:
+    """The environment's answer to the episode's last turn (what its `respond` returns, checked
+    in `take_reply_`); EnvironmentFailed passes, what else it raises is a UserCodeError. It may
+    run in any thread."""
     what = f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}"
-    try:
-        reply = call_user(
-            environment.respond, what, record, list(episode.messages), passes=(EnvironmentFailed,)
-        )
-    except EnvironmentFailed:
-        episode.env_failed, episode.running = True, False
-        return
+    return call_user(
+        environment.respond,
+        what,
+        episode.prompt.record,
+        list(episode.messages),
+        passes=(EnvironmentFailed,),
+    )
+
+
+def take_reply_(
+    episode: Episode,
+    reply: Any,
+    completion: Completion,
+    tokenizer,
+    rules: EpisodeRules,
+) -> None:
+    """Append the environment's reply to the episode's last turn (`completion`) or end the
+    episode (module docstring)."""
     if reply is None:
         episode.running = False
         return
@@ -280,8 +365,20 @@ def run_episodes(
     tokenizer,
     rules: EpisodeRules,
 ) -> list[list[Episode]]:
-    """Every episode of `prompts` (group_size each) run to its end, in batched turns."""
-    episodes = [
+    """Every episode of `prompts` (group_size each) run to its end: on its own
+    (`run_independent`), or in lockstep (`run_lockstep`) under rollout.lockstep, with one model
+    turn per episode, or when the sampler cannot stream turns (module docstring)."""
+    stream = None
+    if not rules.lockstep and rules.max_turns > 1:
+        stream = getattr(sampler, "stream", lambda: None)()
+    if stream is None:
+        return run_lockstep(prompts, sampler, environment, tokenizer, rules)
+    return run_independent(prompts, stream, environment, tokenizer, rules)
+
+
+def new_episodes(prompts: Sequence[Prompt], rules: EpisodeRules) -> list[list[Episode]]:
+    """group_size episodes of each prompt, none sampled yet."""
+    return [
         [
             Episode(
                 prompt=p,
@@ -296,6 +393,23 @@ def run_episodes(
         ]
         for slot, p in enumerate(prompts)
     ]
+
+
+def turn_limit(episode: Episode, rules: EpisodeRules) -> int:
+    """The most tokens the episode's next turn may sample."""
+    return min(rules.max_new_tokens, rules.max_episode_tokens - len(episode.token_ids))
+
+
+def run_lockstep(
+    prompts: Sequence[Prompt],
+    sampler: TurnSampler,
+    environment: Environment,
+    tokenizer,
+    rules: EpisodeRules,
+) -> list[list[Episode]]:
+    """Every episode of `prompts` run to its end in batched turns: each turn waits for all
+    episodes still running, and the environment answers them one after another."""
+    episodes = new_episodes(prompts, rules)
     groups = sampler.first([p.token_ids for p in prompts], rules.group_size, rules.max_new_tokens)
     for group, completions in zip(episodes, groups):
         for episode, completion in zip(group, completions):
@@ -303,14 +417,74 @@ def run_episodes(
     turn = 1
     while running := [e for group in episodes for e in group if e.running]:
         turn += 1
-        limits = [
-            min(rules.max_new_tokens, rules.max_episode_tokens - len(e.token_ids)) for e in running
-        ]
         completions = sampler.next(
-            [e.token_ids for e in running], limits, [(e.slot, e.index, turn) for e in running]
+            [e.token_ids for e in running],
+            [turn_limit(e, rules) for e in running],
+            [(e.slot, e.index, turn) for e in running],
         )
         for episode, completion in zip(running, completions):
             advance_(episode, completion, environment, tokenizer, rules)
+    return episodes
+
+
+def run_independent(
+    prompts: Sequence[Prompt],
+    stream: TurnStream,
+    environment: Environment,
+    tokenizer,
+    rules: EpisodeRules,
+) -> list[list[Episode]]:
+    """Every episode of `prompts` run to its end on its own: a sampled turn goes to the
+    environment at once (on a pool of rollout.env_concurrency threads), and its reply to the
+    stream for the next turn at once. What the stream or the environment raises is raised
+    here, after the calls not yet started are cancelled."""
+    episodes = new_episodes(prompts, rules)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    pool = ThreadPoolExecutor(max_workers=rules.env_concurrency, thread_name_prefix="fnt-env")
+
+    def on_turn(key: tuple[int, int, int], result: Union[Completion, BaseException]) -> None:
+        events.put((key, result, None))
+
+    def on_reply(key: tuple[int, int, int], completion: Completion, future: Future) -> None:
+        events.put((key, completion, future))
+
+    def ask(episode: Episode, completion: Completion) -> None:
+        key = (episode.slot, episode.index, episode.turns)
+        future = pool.submit(respond, episode, environment, rules)
+        future.add_done_callback(lambda f: on_reply(key, completion, f))
+
+    in_flight = len(prompts) * rules.group_size  # turns sampling and calls answering
+    try:
+        stream.start(
+            [p.token_ids for p in prompts], rules.group_size, rules.max_new_tokens, on_turn
+        )
+        while in_flight:
+            ready = [] if stream.work() else [events.get()]
+            while True:
+                try:
+                    ready.append(events.get_nowait())
+                except queue.Empty:
+                    break
+            for (slot, index, _), result, reply in ready:
+                in_flight -= 1
+                if isinstance(result, BaseException):
+                    raise result
+                episode = episodes[slot][index]
+                if reply is None:  # a sampled turn
+                    if take_turn_(episode, result, environment, tokenizer, rules):
+                        ask(episode, result)
+                        in_flight += 1
+                    continue
+                try:
+                    take_reply_(episode, reply.result(), result, tokenizer, rules)
+                except EnvironmentFailed:
+                    episode.env_failed, episode.running = True, False
+                if episode.running:
+                    key = (slot, index, episode.turns + 1)
+                    stream.submit(episode.token_ids, turn_limit(episode, rules), key)
+                    in_flight += 1
+    finally:
+        pool.shutdown(wait=in_flight == 0, cancel_futures=True)
     return episodes
 
 

@@ -321,7 +321,7 @@ def test_qwen3_renders_the_tools_and_their_responses(qwen3_dir):
     assert samples[0].tool_calls == 1 and samples[0].tool_errors == 0 and samples[0].reward == 1.0
 
 
-def test_the_engine_runs_episodes_in_batched_turns_that_train_what_it_sampled(
+def test_in_lockstep_the_engine_runs_batched_turns_that_train_what_it_sampled(
     policy_dir, prompts_file, monkeypatch
 ):
     config = rl_config(
@@ -331,6 +331,7 @@ def test_the_engine_runs_episodes_in_batched_turns_that_train_what_it_sampled(
         max_turns=3,
         max_new_tokens=6,
         temperature=0.7,
+        lockstep=True,
     )
     config = dataclasses.replace(config, seq_len=256, batch_size=16)
     state = rl_state(config)
@@ -384,6 +385,8 @@ def test_later_turns_read_only_each_episodes_new_tokens(policy_dir, prompts_file
     # The engine keeps each episode's KV cache across turns: a later turn's prefill is as wide as
     # the longest new part (last sampled token + the environment's reply), not the episode. The
     # episodes equal those of a full prefill every turn: the same tokens, logprobs within 1e-5.
+    # (In lockstep, where each turn is one `generate`; test_independent_episodes checks the
+    # continuous batch's turns against these.)
     config = rl_config(
         policy_dir,
         prompts_file,
@@ -391,6 +394,7 @@ def test_later_turns_read_only_each_episodes_new_tokens(policy_dir, prompts_file
         max_turns=3,
         max_new_tokens=6,
         temperature=0.7,
+        lockstep=True,
     )
     state = rl_state(dataclasses.replace(config, seq_len=256, batch_size=16))
     engine = state.handles.rollouts

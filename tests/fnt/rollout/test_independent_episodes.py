@@ -1,0 +1,107 @@
+"""Episodes that advance on their own (rollout.lockstep = false, the default): the in-process
+engine's continuous batch samples what lockstep samples, whatever the environment's latency or
+the order episodes finish in; a slow environment call holds only its own episode; async
+environments run on fnt's event loop; what an environment raises still stops the run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fnt.errors import UserCodeError
+from fnt.rollout.engines import in_process
+from tests.fnt.rollout.conftest import rl_config, rl_state
+from tests.fnt.rollout.test_engine import check_logprobs_match
+
+ENV = "tests.fnt.rollout.{}"
+
+
+def multi_turn_state(policy_dir, prompts_file, environment: str, **rollout):
+    config = rl_config(
+        policy_dir,
+        prompts_file,
+        environment=ENV.format(environment),
+        max_turns=3,
+        max_new_tokens=6,
+        temperature=0.7,
+        **rollout,
+    )
+    return rl_state(dataclasses.replace(config, seq_len=256, batch_size=16))
+
+
+def same_samples(a, b) -> None:
+    """Two RL batches hold the same samples: tokens and masks equal, logprobs within 1e-5 (a
+    padded batched forward of other rows may differ in the last float bits)."""
+    assert a.metrics["rollout/turns/mean"] == b.metrics["rollout/turns/mean"]
+    assert a.metrics["reward/final/mean"] == b.metrics["reward/final/mean"]
+    for x, y in zip(a.micro_batches, b.micro_batches, strict=True):
+        assert torch.equal(x.rows.input_ids, y.rows.input_ids)
+        assert torch.equal(x.rows.loss_mask, y.rows.loss_mask)
+        torch.testing.assert_close(x.inference_logprobs, y.inference_logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_continuous_batch_samples_what_lockstep_samples(policy_dir, prompts_file, monkeypatch):
+    state = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    engine = state.handles.rollouts
+    monkeypatch.setattr(in_process, "generate", None)  # the stream decodes, never `generate`
+    independent = engine.rollout(state)
+    assert independent.metrics["rollout/turns/mean"] > 1
+    assert independent.metrics["rollout/episodes"] == 16
+    check_logprobs_match(independent, state.handles.model, 0.7)
+    same_samples(independent, engine.rollout(state))  # the same state, the same episodes
+    monkeypatch.undo()
+    lockstep = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback", lockstep=True)
+    same_samples(independent, lockstep.handles.rollouts.rollout(lockstep))
+
+
+def test_an_environment_with_random_latency_gives_the_samples_it_gives_without(
+    policy_dir, prompts_file
+):
+    plain = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    jittery = multi_turn_state(policy_dir, prompts_file, "latency_env:jittery", env_concurrency=4)
+    batch = jittery.handles.rollouts.rollout(jittery)
+    calls = jittery.handles.rollouts.environment.calls
+    assert len({turn for turn, *_ in calls}) > 1  # later turns were answered too
+    same_samples(plain.handles.rollouts.rollout(plain), batch)
+
+
+def test_a_slow_environment_call_holds_only_its_own_episode(policy_dir, prompts_file):
+    """The first answer takes 0.6 s: the other episodes' later turns are sampled and answered
+    meanwhile. In lockstep nothing else happens until it returns."""
+    for lockstep in (False, True):
+        state = multi_turn_state(
+            policy_dir, prompts_file, "latency_env:one_slow_call", lockstep=lockstep
+        )
+        state.handles.rollouts.rollout(state)
+        calls = state.handles.rollouts.environment.calls
+        [(_, start, end, _)] = [call for call in calls if call[3] > 0]
+        meanwhile = [t for t, s, e, _ in calls if start < s and e < end]
+        if lockstep:
+            assert meanwhile == []
+        else:
+            assert any(t >= 2 for t in meanwhile)  # another episode's second answer, in between
+
+
+def test_an_async_environment_runs_on_the_event_loop_and_samples_the_same(policy_dir, prompts_file):
+    plain = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    for lockstep in (False, True):
+        state = multi_turn_state(
+            policy_dir, prompts_file, "latency_env:async_feedback", lockstep=lockstep
+        )
+        same_samples(plain.handles.rollouts.rollout(plain), state.handles.rollouts.rollout(state))
+
+
+def test_an_environment_that_raises_stops_the_rollout_with_its_message(
+    policy_dir, prompts_file, monkeypatch
+):
+    state = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    environment = state.handles.rollouts.environment
+
+    def broken(record, messages):
+        raise RuntimeError("the sandbox is gone")
+
+    monkeypatch.setattr(environment, "respond", broken)
+    with pytest.raises(UserCodeError, match="failed to answer turn 1 on .*the sandbox is gone"):
+        state.handles.rollouts.rollout(state)
