@@ -206,10 +206,14 @@ def has_prompts(rollout: RolloutConfig) -> bool:
 
 
 def environment_val_size(rollout: RolloutConfig) -> int:
-    """Held-out prompts per source the run's environment makes for val/ (0: none). Pure."""
+    """Held-out prompts per source the run's environment makes for val/ (0: none); a mixture's
+    most of any member's, an entry's val_prompts file counting as 1 (its size is known once it
+    is read). Pure."""
     if rollout.environments:
-        members = [member_rollout(rollout, entry) for entry in rollout.environments]
-        return max(environment_val_size(member) for member in members)
+        return max(
+            max(environment_val_size(member_rollout(rollout, entry)), int(bool(entry.val_prompts)))
+            for entry in rollout.environments
+        )
     kind = environment_kind(rollout.environment)
     return kind.held_out(rollout) if kind.held_out is not None else 0
 
@@ -277,6 +281,11 @@ def check_mixture(rollout: RolloutConfig) -> None:
             raise ConfigError(
                 f"'{key}.prompts' = {entry.prompts!r}: {entry.environment!r} makes its own "
                 "prompts; leave the entry's prompts empty"
+            )
+        if kind.supplies_prompts and entry.val_prompts:
+            raise ConfigError(
+                f"'{key}.val_prompts' = {entry.val_prompts!r}: {entry.environment!r} makes its "
+                "own prompts (held-out ones too, where it has them); leave it empty"
             )
         if kind.check is not None:
             try:

@@ -455,6 +455,8 @@ class MixtureEntryConfig:
     """JSONL prompts of a "module:factory" (empty: the environment makes its own)."""
     weight: float = 1.0
     """Relative share of this environment's prompts in a step (> 0)."""
+    val_prompts: str = ""
+    """JSONL held-out prompts of a "module:factory", validated as val/{name}/* (empty: its own)."""
 
 
 EngineName = Literal[tuple(ENGINES)]

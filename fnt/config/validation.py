@@ -265,21 +265,31 @@ def validate_val(config: Config) -> None:
             "prompts): validation needs data to evaluate "
             f"(val.interval = {val.interval}, val.eval_on_start = {val.eval_on_start})"
         )
-    if held_out:
+    if held_out and config.rollout.environments:
+        # A member's keys, val/{name}/*, must not be the start state's val/start/*.
+        if "start" in [entry.name for entry in config.rollout.environments]:
+            raise ConfigError(
+                "'rollout.environments' names an entry 'start', whose held-out prompts would be "
+                "validated as val/start/*, the keys of val.eval_on_start: give it another name"
+            )
+        what = "'rollout.environments' make held-out prompts (val_prompts or their own)"
+        undo = "or leave them out"
+    elif held_out:
         key = environment_kind(config.rollout.environment).held_out_key
+        what, undo = f"'{key}' = {held_out_prompts(config)}", "or the key to 0"
         if val.prompts:
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: rollout.environment = "
                 f"{config.rollout.environment!r} makes the held-out prompts ({key}); leave "
                 "val.prompts empty"
             )
-        if not engine_of(config.rollout).greedy_eval:
-            greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
-            raise ConfigError(
-                f"'{key}' = {held_out_prompts(config)}: greedy answers to the held-out "
-                f"prompts come from an inference copy of the policy, which only the {greedy} "
-                "rollout engine holds: set rollout.engine to it, or the key to 0"
-            )
+    if held_out and not engine_of(config.rollout).greedy_eval:
+        greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)
+        raise ConfigError(
+            f"{what}: greedy answers to the held-out prompts come from an inference copy of "
+            f"the policy, which only the {greedy} rollout engine holds: set rollout.engine to "
+            f"it, {undo}"
+        )
     if val.prompts:
         if not mode_of(config).rollouts:
             raise ConfigError(
@@ -289,8 +299,9 @@ def validate_val(config: Config) -> None:
         if config.rollout.environments:
             raise ConfigError(
                 f"'val.prompts' = {val.prompts!r}: rollout.environments is a mixture, and a "
-                "prompt of val.prompts names no member to run it; a mixture validates on its "
-                "members' own held-out prompts (e.g. rollout.reasoning_gym.val_size)"
+                "prompt of val.prompts names no member to run it; give each entry its own "
+                "held-out prompts (rollout.environments[i].val_prompts, or a built-in's own such "
+                "as rollout.reasoning_gym.val_size)"
             )
         if not engine_of(config.rollout).greedy_eval or not has_prompts(config.rollout):
             greedy = " or ".join(name for name, engine in ENGINES.items() if engine.greedy_eval)

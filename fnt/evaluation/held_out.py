@@ -38,7 +38,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -55,7 +55,12 @@ from fnt.distributed.parallel import rank_share
 from fnt.distributed.runtime import Runtime
 from fnt.model.lm_head import loss_tokens_of
 from fnt.model.tokenizer import load_tokenizer, pad_token_id
-from fnt.rollout.base import all_ranks_named_sums, named_reward_means, named_sums
+from fnt.rollout.base import (
+    all_ranks_named_sums,
+    merge_named_sums,
+    named_reward_means,
+    named_sums,
+)
 from fnt.rollout.environments import environment_of
 from fnt.rollout.environments.episodes import (
     Episode,
@@ -63,6 +68,7 @@ from fnt.rollout.environments.episodes import (
     run_episodes,
     score_episode,
 )
+from fnt.rollout.environments.mixture import MixtureEnvironment, member_name
 from fnt.rollout.environments.parsers import read_turn, turn_parser
 from fnt.rollout.environments.protocol import Scored, weighted_reward
 from fnt.rollout.environments.single_turn import SingleTurnEnvironment
@@ -71,6 +77,21 @@ from fnt.rollout.rewards import RewardFn, keep_group, reward_function, score
 from fnt.rollout.sampling import Completion, generate
 from fnt.state import Stateless, TrainState
 from fnt.update import forward_loss_tokens
+
+
+class HeldOutSums(NamedTuple):
+    """The greedy answers' or episodes' sums over all ranks (`greedy_reward_sums`,
+    `greedy_episode_sums`), over the episodes rollout.on_bad_reward keeps."""
+
+    reward_sum: float
+    count: float
+    """Episodes scored (one per held-out prompt, less those left out as bad rewards)."""
+    named: dict[str, list[float]]
+    """Named rewards: name -> [count, sum]."""
+    turns: float = 0.0
+    """Model turns of those episodes (the one-turn path: one each)."""
+    tool_calls: float = 0.0
+    """Tool calls those episodes ran (the one-turn path runs none)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +117,12 @@ class EvalData(Stateless):
     prompts."""
     whole_episodes: bool = False
     """The greedy episodes run to their end (a multi-turn environment); else one turn."""
+    slots: tuple[int, ...] = ()
+    """Each prompt's index among all the run's held-out prompts, which seeds its sampled
+    episodes (`val_seed`); empty: its index in `prompts`."""
+    members: tuple[tuple[str, "EvalData"], ...] = ()
+    """A mixture's (rollout.environments) members that have held-out prompts, in config order,
+    each with the EvalData of its own prompts (`member_eval_data`); empty: no mixture."""
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """The val metrics of the model as `state` holds it, without the val/ prefix; every
@@ -118,17 +145,52 @@ class EvalData(Stateless):
                     f"'val.prompts' is set but rollout.engine = {config.rollout.engine!r} holds "
                     "no inference copy of the policy to generate the greedy answers"
                 )
-            engine, runtime = handles.rollouts, handles.runtime
-            engine.sync_weights_(handles.model)
-            if self.whole_episodes:
-                reward_sum, count, named = greedy_episode_sums(engine, self, runtime, config)
-            else:
-                reward_sum, count, named = greedy_reward_sums(engine, self, runtime, config)
-            metrics["reward/mean"] = reward_sum / count if count else math.nan
-            metrics.update(named_reward_means(named))
-            if config.val.samples > 0:
-                sums = sampled_episode_sums(engine, self, runtime, config, state.progress.step)
-                metrics.update(sampled_metrics(config.val.samples, *sums))
+            handles.rollouts.sync_weights_(handles.model)
+            # A mixture's members are validated one after the other, each on its own prompts;
+            # the overall keys add up their sums (every held-out prompt weighs the same).
+            parts = [
+                (name, part.prompt_sums(state)) for name, part in self.members or (("", self),)
+            ]
+            metrics.update(self.prompt_metrics(config, [sums for _, sums in parts]))
+            for name, sums in parts if self.members else ():
+                member = self.prompt_metrics(config, [sums], named=False, per_episode=False)
+                metrics.update({f"{name}/{key}": value for key, value in member.items()})
+        return metrics
+
+    def prompt_sums(self, state: TrainState) -> tuple[HeldOutSums, Optional[tuple]]:
+        """The greedy sums of this data's prompts over all ranks, and with val.samples the
+        sampled ones (`sampled_episode_sums`); every rank calls it at the same point."""
+        config, engine, runtime = state.config, state.handles.rollouts, state.handles.runtime
+        greedy_sums = greedy_episode_sums if self.whole_episodes else greedy_reward_sums
+        greedy = greedy_sums(engine, self, runtime, config)
+        sampled = None
+        if config.val.samples > 0:
+            sampled = sampled_episode_sums(engine, self, runtime, config, state.progress.step)
+        return greedy, sampled
+
+    def prompt_metrics(
+        self,
+        config: RLConfig,
+        parts: Sequence[tuple[HeldOutSums, Optional[tuple]]],
+        *,
+        named: bool = True,
+        per_episode: bool = True,
+    ) -> dict[str, float]:
+        """reward/mean (with `named`, each named reward's mean; with `per_episode` and
+        whole episodes, turns/mean and tool_calls/mean per greedy episode) and with val.samples
+        reward/avg@k and reward/pass@k (unprefixed) of the sums of `parts` added up. Pure."""
+        reward_sum = sum(greedy.reward_sum for greedy, _ in parts)
+        count = sum(greedy.count for greedy, _ in parts)
+        metrics = {"reward/mean": reward_sum / count if count else math.nan}
+        if named:
+            metrics.update(named_reward_means(merge_named_sums(g.named for g, _ in parts)))
+        if per_episode and self.whole_episodes:
+            for key in ("turns", "tool_calls"):
+                total = sum(getattr(greedy, key) for greedy, _ in parts)
+                metrics[f"{key}/mean"] = total / count if count else math.nan
+        if config.val.samples > 0:
+            sampled = [sum(column) for column in zip(*(s for _, s in parts))]
+            metrics.update(sampled_metrics(config.val.samples, *sampled))
         return metrics
 
 
@@ -181,7 +243,7 @@ def load_eval_data(config: Config) -> Optional[Any]:
         rules = held_out_rules(
             config, tokenizer, where, environment_name or f"reward {config.rollout.reward!r}"
         )
-    return EvalData(
+    data = EvalData(
         corpus=corpus,
         rows=pack_in_order([corpus.length(i) for i in range(corpus.num_samples)], config.seq_len)
         if corpus is not None
@@ -195,6 +257,37 @@ def load_eval_data(config: Config) -> Optional[Any]:
         rules=rules,
         whole_episodes=whole_episodes,
     )
+    if isinstance(environment, MixtureEnvironment) and prompts:
+        data = dataclasses.replace(data, members=member_eval_data(data, config))
+    return data
+
+
+def member_eval_data(data: EvalData, config: RLConfig) -> tuple[tuple[str, EvalData], ...]:
+    """Each mixture member's share of a mixture's held-out prompts (`data`), in config order,
+    those without held-out prompts left out: its prompts, their slots among all of them, and
+    rules and messages that name the member (its entry and environment). The mixture stays the
+    environment, which hands each record to its member. Pure."""
+    assert data.rules is not None
+    members = []
+    for i, entry in enumerate(config.rollout.environments):
+        slots = tuple(s for s, p in enumerate(data.prompts) if member_name(p.record) == entry.name)
+        if not slots:
+            continue
+        key = f"rollout.environments[{i}]"
+        name = f"environment {entry.environment!r} ({entry.name!r}, {key})"
+        source = f"val_prompts {entry.val_prompts}" if entry.val_prompts else "its own"
+        rules = dataclasses.replace(
+            data.rules,
+            prompts_path=f"the held-out prompts of {entry.name!r} ({key}: {source})",
+            name=name,
+            reward_name=entry.name,
+        )
+        prompts = tuple(data.prompts[s] for s in slots)
+        member = dataclasses.replace(
+            data, prompts=prompts, slots=slots, environment_name=name, rules=rules
+        )
+        members.append((entry.name, member))
+    return tuple(members)
 
 
 def held_out_rules(config: RLConfig, tokenizer: Any, where: str, name: str) -> EpisodeRules:
@@ -329,9 +422,8 @@ def greedy_answers(
 
 def greedy_reward_sums(
     engine: Any, data: EvalData, runtime: Runtime, config: RLConfig
-) -> tuple[float, float, dict[str, list[float]]]:
-    """(summed reward, prompt count, named rewards' name -> [count, sum]) of the greedy answers
-    to all val prompts over all ranks (one turn each).
+) -> HeldOutSums:
+    """The sums of the greedy answers to all val prompts over all ranks (one turn each).
 
     The engine's inference copy is already synced with the policy (`EvalData.evaluate`); rank r
     answers prompts r, r + dp, ..., so no rank idles when the count is uneven.
@@ -358,7 +450,7 @@ def greedy_reward_sums(
     sums = torch.tensor([total, float(count)], dtype=torch.float64, device=runtime.device)
     reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
     named = named_sums(part for scored in kept for part in scored.named)
-    return reward_sum, count, all_ranks_named_sums(named, runtime)
+    return HeldOutSums(reward_sum, count, all_ranks_named_sums(named, runtime), turns=count)
 
 
 def held_out_message(
@@ -488,6 +580,8 @@ def held_out_episodes(
     rules and each scored as training scores it (fnt.rollout.environments.episodes.score_episode;
     rollout.on_truncated = "zero" scores a truncated episode 0)."""
     assert data.rules is not None
+    if not prompts:  # a rank with no held-out prompt of a mixture member
+        return []
     rules = dataclasses.replace(data.rules, group_size=samples)
     environment = data.environment or SingleTurnEnvironment(data.reward_fn)
     groups = run_episodes(prompts, sampler, environment, data.tokenizer, rules)
@@ -505,14 +599,15 @@ def held_out_episodes(
     ]
 
 
-def kept_rewards(
+def kept_episodes(
     group: Sequence[tuple[Episode, Scored]], data: EvalData, config: RLConfig
-) -> list[Scored]:
-    """The scores of a prompt's episodes that rollout.on_bad_reward keeps: "error" stops the
-    run at a NaN or infinite reward, naming the prompt; "skip" leaves that episode out."""
+) -> list[tuple[Episode, Scored]]:
+    """A prompt's scored episodes that rollout.on_bad_reward keeps: "error" stops the run at a
+    NaN or infinite reward, naming the prompt and what scored it; "skip" leaves that episode
+    out."""
     assert data.rules is not None
     return [
-        scored
+        (episode, scored)
         for episode, scored in group
         if keep_group(
             [scored.reward],
@@ -525,22 +620,28 @@ def kept_rewards(
 
 def greedy_episode_sums(
     engine: Any, data: EvalData, runtime: Runtime, config: RLConfig
-) -> tuple[float, float, dict[str, list[float]]]:
+) -> HeldOutSums:
     """`greedy_reward_sums` of whole greedy episodes: each held-out prompt's one episode run to
-    its end and scored by the environment on the whole conversation."""
+    its end and scored by the environment on the whole conversation, with its turns and tool
+    calls."""
     mine = data.prompts[runtime.dp_rank :: runtime.dims.dp]
     sampler = GreedyTurns(engine.model, engine.stop_token_ids)
     kept = [
-        scored
+        (episode, scored)
         for group in held_out_episodes(sampler, mine, data, 1)
-        for scored in kept_rewards(group, data, config)
+        for episode, scored in kept_episodes(group, data, config)
     ]
-    sums = torch.tensor(
-        [sum(s.reward for s in kept), float(len(kept))], dtype=torch.float64, device=runtime.device
-    )
-    reward_sum, count = all_reduce_sum(sums, runtime.distributed).tolist()
-    named = named_sums(part for scored in kept for part in scored.named)
-    return reward_sum, count, all_ranks_named_sums(named, runtime)
+    totals = [
+        sum(scored.reward for _, scored in kept),
+        float(len(kept)),
+        float(sum(episode.turns for episode, _ in kept)),
+        float(sum(episode.tool_calls for episode, _ in kept)),
+    ]
+    sums = torch.tensor(totals, dtype=torch.float64, device=runtime.device)
+    reward_sum, count, turns, tool_calls = all_reduce_sum(sums, runtime.distributed).tolist()
+    named = named_sums(part for _, scored in kept for part in scored.named)
+    named = all_ranks_named_sums(named, runtime)
+    return HeldOutSums(reward_sum, count, named, turns=turns, tool_calls=tool_calls)
 
 
 def sampled_episode_sums(
@@ -551,7 +652,7 @@ def sampled_episode_sums(
     kept (rollout.on_bad_reward), and passed when a kept one has reward >= PASS_REWARD."""
     dp_rank, dp_size = runtime.dp_rank, runtime.dims.dp
     mine = data.prompts[dp_rank::dp_size]
-    slots = range(dp_rank, len(data.prompts), dp_size)
+    slots = (data.slots or range(len(data.prompts)))[dp_rank::dp_size]
     sampler = SampledTurns(
         engine.model,
         engine.stop_token_ids,
@@ -562,7 +663,7 @@ def sampled_episode_sums(
     )
     totals = [0.0, 0.0, 0.0, 0.0]
     for group in held_out_episodes(sampler, mine, data, config.val.samples):
-        rewards = [s.reward for s in kept_rewards(group, data, config)]
+        rewards = [s.reward for _, s in kept_episodes(group, data, config)]
         if rewards:
             totals[0] += sum(rewards)
             totals[1] += len(rewards)

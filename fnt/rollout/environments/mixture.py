@@ -1,6 +1,7 @@
 """Environment mixtures (rollout.environments): several environments in one run, each step's
 prompts drawn by weight. Side effects: building one imports and calls each member's factory
-(fnt.rollout.environments.environment_of) and reads the JSONL file of an entry's `prompts`;
+(fnt.rollout.environments.environment_of) and reads the JSONL files of an entry's `prompts`
+and `val_prompts` (its held-out prompts, validated per member: fnt.evaluation.held_out);
 the environment's methods are pure dispatch.
 
 A mixture is itself an environment (fnt.rollout.environments.protocol) that makes its own
@@ -49,13 +50,16 @@ class MixtureEnvironment:
         prompt_files: Sequence[str],
         *,
         turn_credit: bool = False,
+        val_prompt_files: Sequence[str] = (),
     ) -> None:
         """`members` are (name, environment) pairs in config order, each with its entry's
-        weight and prompts file (empty: the member makes its own prompts)."""
+        weight, prompts file (empty: the member makes its own) and held-out prompts file
+        (`val_prompt_files`; empty or absent: the member's own held-out prompts, if any)."""
         self.names = tuple(name for name, _ in members)
         self.members = dict(members)
         self.weights = dict(zip(self.names, weights))
         self.prompt_files = dict(zip(self.names, prompt_files))
+        self.val_prompt_files = dict(zip(self.names, val_prompt_files))
         keep = {getattr(env, "keep_special_tokens", True) for env in self.members.values()}
         if len(keep) > 1:
             raise ConfigError(
@@ -123,7 +127,13 @@ class MixtureEnvironment:
         return tuple(sources)
 
     def member_sources(self, name: str, split: str) -> tuple[PromptSource, ...]:
-        """A member's own prompt sources of `split` (its prompts file's, when its entry has one)."""
+        """A member's own prompt sources of `split`: its entry's prompts file's ("train") and
+        val_prompts file's ("val") records, where it has them, else its environment's."""
+        val_path = self.val_prompt_files.get(name, "")
+        if split == "val" and val_path:
+            where = f"the val_prompts file {val_path} (rollout.environments entry {name!r})"
+            records = tuple(record for _, record in jsonl_records(val_path, where))
+            return (PromptSource(name="val_prompts", records=records),)
         path = self.prompt_files[name]
         if path:
             if split != "train":
@@ -153,4 +163,5 @@ def mixture_of(rollout: RolloutConfig, build: Any) -> MixtureEnvironment:
         [entry.weight for entry in rollout.environments],
         prompt_files,
         turn_credit=rollout.credit == "turn",
+        val_prompt_files=[entry.val_prompts for entry in rollout.environments],
     )
