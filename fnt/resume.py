@@ -185,6 +185,11 @@ RESUME_POLICY: dict[str, Policy] = {
     "rollout.environment": MAY_CHANGE,  # like the reward: the task's rules
     "rollout.environment_args": MAY_CHANGE,  # like the environment: the task's rules
     "rollout.environments": FIXED,  # its members and weights order the prompts: the data
+    # Where the environment runs: a healthy pool or server answers as the environment in process.
+    "rollout.isolation.workers": MAY_CHANGE,
+    "rollout.isolation.timeout_s": MAY_CHANGE,
+    "rollout.isolation.memory_mb": MAY_CHANGE,
+    "rollout.isolation.failure_reward": MAY_CHANGE,  # like the reward: the task's rules
     "rollout.max_turns": MAY_CHANGE,
     "rollout.lockstep": MAY_CHANGE,  # when turns are sampled, not what they draw from
     "rollout.env_concurrency": MAY_CHANGE,

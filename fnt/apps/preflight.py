@@ -118,7 +118,8 @@ def try_user_code(rollout: RolloutConfig) -> None:
     A mixture's members (rollout.environments) are tried each on its own entry's."""
     for entry in rollout.environments:
         try_user_code(member_rollout(rollout, entry))
-    if supplies_prompts(rollout) or environment_kind(rollout.environment).build:
+    kind = environment_kind(rollout.environment)
+    if supplies_prompts(rollout) or (kind.build and not kind.runs_user_code):
         return
     path, line_number, record = first_record(rollout.prompts, "rollout.prompts")
     trial_run(rollout, record, f"the prompt of line {line_number} of {path}")
@@ -137,11 +138,23 @@ def trial_run(rollout: RolloutConfig, record: object, where: str) -> None:
     rollout.reward), the environment's `start(record)` and its `score` of the first messages
     followed by a trial completion (`trial_completion`). UserCodeError for a raise or a wrong
     return; a reward's NaN passes (rollout.on_bad_reward decides about it in the run)."""
-    from fnt.rollout.environments import Start, environment_of
+    from fnt.rollout.environments import environment_of
+
+    environment, name = environment_of(rollout)
+    try:
+        trial_calls(environment, name, record, where)
+    finally:
+        close = getattr(environment, "close", None)
+        if callable(close):  # a pool of workers (rollout.isolation): the run starts its own
+            close()
+
+
+def trial_calls(environment: object, name: str, record: object, where: str) -> None:
+    """`trial_run`'s calls of the built environment."""
+    from fnt.rollout.environments import Start
     from fnt.rollout.environments.protocol import weighted_reward
     from fnt.rollout.user_code import call_user, shown
 
-    environment, name = environment_of(rollout)
     start = call_user(environment.start, f"{name} failed to start {where}", record)
     if not isinstance(start, Start):
         raise UserCodeError(

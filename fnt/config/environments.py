@@ -3,9 +3,14 @@ what installs them and whether they bring their own prompts. Pure, apart from `i
 and `require_installed`, which ask the import system whether a package is present (no import).
 
 rollout.environment is routed by its part before the first ":" (`environment_kind`): empty is the
-single-turn environment with rollout.reward; a registered prefix ("reasoning_gym", "verifiers")
-is that integration, its `build` called as build(rollout) -> environment; anything else is a
-user's "module:factory". `fnt rl --list-environments` prints this table (fnt.apps.environments).
+single-turn environment with rollout.reward; a registered prefix ("reasoning_gym", "verifiers",
+"http" and "https": an environment server's URL) is that entry, its `build` called as
+build(rollout) -> environment; anything else is a user's "module:factory". `fnt rl
+--list-environments` prints this table (fnt.apps.environments).
+
+rollout.isolation moves the environment out of the trainer's process (`check_isolation`):
+`workers` > 0 runs it in a pool of worker processes (fnt.rollout.environments.pooled), a URL
+reaches its server (fnt.rollout.environments.served).
 
 Adding an integration is its implementation's file and one entry here.
 """
@@ -17,6 +22,7 @@ import importlib.util
 import json
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -36,8 +42,8 @@ class EnvironmentKind:
     """How rollout.environment names it."""
     summary: str
     """One line for the docs and --list-environments."""
-    prefix: Optional[str] = None
-    """The part of rollout.environment before ":" that selects it (None: not routed by prefix)."""
+    prefixes: tuple[str, ...] = ()
+    """The parts of rollout.environment before ":" that select it (empty: not routed by prefix)."""
     build: str = ""
     """"module:function" called as build(rollout) -> environment (empty: fnt.rollout builds it)."""
     extra: str = ""
@@ -58,6 +64,9 @@ class EnvironmentKind:
     """The config key that sets `held_out`, for messages."""
     takes_environment_args: bool = False
     """It reads rollout.environment_args (a JSON object of its settings)."""
+    runs_user_code: bool = False
+    """Built by fnt, it runs the user's code (a server's environment): start-up tries it on the
+    first prompt record as it tries a factory's (fnt.apps.preflight.try_user_code)."""
 
 
 def check_reasoning_gym(rollout: RolloutConfig) -> None:
@@ -136,6 +145,36 @@ def check_verifiers(rollout: RolloutConfig) -> None:
     environment_args(rollout)
 
 
+SERVER_COMMAND = "python -m fnt.rollout.environments.served --factory module:factory"
+"""How an environment server is started (fnt.rollout.environments.served), for messages."""
+
+
+def check_served(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.environment is an environment server's URL, http(s)://HOST:PORT
+    (a path after it is kept: a proxy's prefix), and rollout.isolation sets no pool of its own:
+    the server runs the environment, so its workers and memory limit are the server's. Pure."""
+    url = rollout.environment
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port that is not a number, or out of range
+        raise ConfigError(f"'rollout.environment' = {url!r}: not a server's URL ({e})") from None
+    if not parts.hostname or parts.query or parts.fragment or port == 0:
+        raise ConfigError(
+            f"'rollout.environment' = {url!r}: not an environment server's URL; expected "
+            f"http://HOST:PORT, the address of {SERVER_COMMAND} --port PORT"
+        )
+    isolation = rollout.isolation
+    for key, flag in (("workers", "--workers"), ("memory_mb", "--memory-mb")):
+        value = getattr(isolation, key)
+        if value:
+            raise ConfigError(
+                f"'rollout.isolation.{key}' = {value!r}: rollout.environment = {url!r} is served, "
+                f"so its server runs it: give the server {flag} ({SERVER_COMMAND} {flag} ...) "
+                f"and leave rollout.isolation.{key} at 0"
+            )
+
+
 ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
     EnvironmentKind(
         name="single_turn",
@@ -153,7 +192,7 @@ ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
         spelling='"reasoning_gym:TASK", or "reasoning_gym" with rollout.reasoning_gym.tasks',
         summary="reasoning-gym's seeded task generators make the prompts (train and held-out) "
         "and its scorers the rewards",
-        prefix="reasoning_gym",
+        prefixes=("reasoning_gym",),
         build="fnt.rollout.environments.tasks:build",
         extra="tasks",
         requires="reasoning_gym",
@@ -169,7 +208,7 @@ ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
         spelling='"verifiers:TASKSET", with rollout.environment_args',
         summary="a verifiers taskset's tasks (the prompts; no held-out split), tools and rubric "
         "(the rewards), run by fnt's engines",
-        prefix="verifiers",
+        prefixes=("verifiers",),
         build="fnt.rollout.environments.verifiers_env:build",
         extra="verifiers",
         requires="verifiers",
@@ -177,6 +216,16 @@ ENVIRONMENTS: tuple[EnvironmentKind, ...] = (
         supplies_prompts=True,
         check=check_verifiers,
         takes_environment_args=True,
+    ),
+    EnvironmentKind(
+        name="served",
+        spelling='"http://HOST:PORT", its server started with ' + SERVER_COMMAND,
+        summary="an environment behind HTTP, run by its server in another process, container or "
+        "machine (a crash or hang there costs only the episode), on rollout.prompts",
+        prefixes=("http", "https"),
+        build="fnt.rollout.environments.served:build",
+        check=check_served,
+        runs_user_code=True,
     ),
 )
 """The environments fnt knows, in the order --list-environments shows them."""
@@ -189,9 +238,54 @@ def environment_kind(environment: str) -> EnvironmentKind:
         return by_name["single_turn"]
     prefix = environment.partition(":")[0]
     for kind in ENVIRONMENTS:
-        if kind.prefix is not None and kind.prefix == prefix:
+        if prefix in kind.prefixes:
             return kind
     return by_name["factory"]
+
+
+def out_of_process(rollout: RolloutConfig) -> bool:
+    """Whether a call of the run's environment (or of a member of its mixture) can fail without
+    failing the run: it runs in worker processes (rollout.isolation.workers) or is served. Pure."""
+    if rollout.isolation.workers > 0:
+        return True
+    names = [entry.environment for entry in rollout.environments] or [rollout.environment]
+    return any(environment_kind(name).name == "served" for name in names)
+
+
+def check_isolation(rollout: RolloutConfig) -> None:
+    """ConfigError unless rollout.isolation's keys can run: workers >= 0 with an environment to
+    run (rollout.environment or rollout.environments), timeout_s > 0, memory_mb >= 0, a finite
+    failure_reward, and no limit set for an environment that runs in the trainer's process,
+    where nothing would apply it. Pure."""
+    isolation = rollout.isolation
+
+    def require(ok: bool, key: str, message: str) -> None:
+        if not ok:
+            value = getattr(isolation, key)
+            raise ConfigError(f"'rollout.isolation.{key}' = {value!r}: {message}")
+
+    require(isolation.workers >= 0, "workers", "must be >= 0 (0: in the trainer's process)")
+    require(
+        isolation.workers == 0 or bool(rollout.environment or rollout.environments),
+        "workers",
+        "runs rollout.environment in worker processes, and none is set (rollout.reward alone "
+        'scores in the trainer\'s process): set rollout.environment = "module:factory"',
+    )
+    require(
+        math.isfinite(isolation.timeout_s) and isolation.timeout_s > 0, "timeout_s", "must be > 0"
+    )
+    require(isolation.memory_mb >= 0, "memory_mb", "must be >= 0 (0: no limit)")
+    require(math.isfinite(isolation.failure_reward), "failure_reward", "must be a finite number")
+    if out_of_process(rollout):
+        return
+    defaults = type(isolation)()
+    for key in ("memory_mb", "timeout_s", "failure_reward"):
+        require(
+            getattr(isolation, key) == getattr(defaults, key),
+            key,
+            "applies to an environment out of the trainer's process, and this one runs in it: "
+            'set rollout.isolation.workers, or serve it (rollout.environment = "http://HOST:PORT")',
+        )
 
 
 def supplies_prompts(rollout: RolloutConfig) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from fnt.config.engines import ENGINES, engine_of
 from fnt.config.environments import (
     ENVIRONMENTS,
+    check_isolation,
     check_mixture,
     environment_kind,
     environment_val_size,
@@ -290,6 +291,7 @@ def validate_rollout(rollout: RolloutConfig, *, dp_size: int) -> None:
 
     if rollout.environments:
         check_mixture(rollout)
+    check_isolation(rollout)
     kind = environment_kind(rollout.environment)
     if kind.check is not None:
         kind.check(rollout)

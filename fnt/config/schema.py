@@ -459,6 +459,21 @@ class MixtureEntryConfig:
     """JSONL held-out prompts of a "module:factory", validated as val/{name}/* (empty: its own)."""
 
 
+@dataclass_json
+@dataclass(frozen=True)
+class IsolationConfig:
+    """The environment out of the trainer's process: in worker processes, or behind HTTP."""
+
+    workers: int = 0
+    """Run each environment in this many worker processes (0: in the trainer's process)."""
+    timeout_s: float = 60.0
+    """Workers or a served environment: a call unanswered this long fails only its episode."""
+    memory_mb: int = 0
+    """Workers: the memory (MiB) each may add to what it holds at start; past it, the call fails."""
+    failure_reward: float = 0.0
+    """Workers or a served environment: the reward of an episode whose call failed."""
+
+
 EngineName = Literal[tuple(ENGINES)]
 """The names of the rollout engines (fnt.config.engines.ENGINES)."""
 ToolParserName = Literal[
@@ -492,6 +507,8 @@ class RolloutConfig:
     """A JSON object of settings for environment = "verifiers:TASKSET": the taskset config's."""
     environments: tuple[MixtureEntryConfig, ...] = ()
     """Several environments mixed by weight: [[rollout.environments]] (docs/environments.md)."""
+    isolation: IsolationConfig = field(default_factory=IsolationConfig)
+    """Run the environment in worker processes with limits (docs/environments.md)."""
     max_turns: int = 4
     """Model turns per episode at most; an episode out of turns is not truncated: it is scored."""
     max_episode_tokens: int = 0

@@ -4,7 +4,11 @@ replaces worker processes (multiprocessing, "spawn" context), which import the i
 environment's module and call its factory.
 
 `PooledEnvironment(factory, rollout, ...)` is an environment (fnt.rollout.environments.protocol)
-that forwards every call to one of `workers` processes, in turn. Each worker builds the inner
+that forwards every call to one of `workers` processes: the next free one, in turn, so calls
+from several threads (rollout.env_concurrency) run in as many workers at once, and a call waits
+while all are busy. A call may reach any worker, so the inner environment keeps nothing between
+calls that another worker would need (the protocol hands it the record and the messages each
+time). Each worker builds the inner
 environment once, as factory(rollout), then limits its address space to what it has plus
 `memory_mb` (resource.RLIMIT_AS; 0: no limit; Linux), and answers calls one at a time. A call
 that gets no answer within `timeout_s`, or whose worker dies (os._exit, a segfault, the memory
@@ -21,15 +25,17 @@ Determinism: a healthy pooled environment answers exactly as the inner one in pr
 a resumed run replays its steps exactly; a timeout depends on the machine's speed, so exact
 replay holds only for runs in which no call failed.
 
-Use it from a factory of your own (rollout.environment = "my_module:pooled"):
-
-    def pooled(rollout):
-        return PooledEnvironment("my_module:build", rollout, timeout_s=10, memory_mb=1024)
+A run chooses it in its config: rollout.isolation.workers > 0 runs rollout.environment (or each
+member of rollout.environments) in a pool, with rollout.isolation's timeout_s, memory_mb and
+failure_reward (fnt.rollout.environments.environment_of). A factory of your own may build one
+too: `PooledEnvironment("my_module:build", rollout, timeout_s=10, memory_mb=1024)`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -170,8 +176,11 @@ class PooledEnvironment:
         self.start_timeout_s = start_timeout_s
         self.failure_reward = float(failure_reward)
         self.failures = 0
+        self.counting = threading.Lock()  # failures is counted from several threads
         self.workers = [self.new_worker() for _ in range(workers)]
-        self.turn = 0
+        self.idle: queue.SimpleQueue[int] = queue.SimpleQueue()  # free workers, first in first
+        for index in range(workers):
+            self.idle.put(index)
         description = self.workers[0].wait_ready(start_timeout_s)
         self.reward_weights = description["reward_weights"]
         self.keep_special_tokens = description["keep_special_tokens"]
@@ -184,18 +193,22 @@ class PooledEnvironment:
         return Worker(self.factory, self.rollout, self.memory_mb, self.timeout_s)
 
     def call(self, method: str, *args: Any) -> Any:
-        """`method`(*args) in the next worker; EnvironmentFailed (the worker replaced) when it
-        died or timed out."""
-        index = self.turn % len(self.workers)
-        self.turn += 1
-        worker = self.workers[index]
+        """`method`(*args) in the next free worker (waiting for one while all are busy);
+        EnvironmentFailed (the worker replaced) when it died or timed out. Thread-safe: a
+        worker serves one call at a time, the one that took it from `idle`."""
+        index = self.idle.get()
         try:
-            worker.wait_ready(self.start_timeout_s)
-            return worker.call(method, args)
-        except EnvironmentFailed:
-            self.failures += 1
-            self.workers[index] = self.new_worker()
-            raise
+            worker = self.workers[index]
+            try:
+                worker.wait_ready(self.start_timeout_s)
+                return worker.call(method, args)
+            except EnvironmentFailed:
+                with self.counting:
+                    self.failures += 1
+                self.workers[index] = self.new_worker()
+                raise
+        finally:
+            self.idle.put(index)
 
     def start(self, record: Mapping[str, Any]):
         return self.call("start", dict(record))

@@ -25,8 +25,10 @@ request that gets no answer within its timeout or cannot connect, so the episode
 
 Server: `python -m fnt.rollout.environments.served --factory module:factory --port 8765`
 (factory(None) builds the environment: the server has no run config); with `--workers N
---timeout-s S --memory-mb M` each call runs in a pool of N worker processes under those limits.
-Client: a factory of the run returns `ServedEnvironment("http://host:8765")`.
+--timeout-s S --memory-mb M` each call runs in a pool of N worker processes under those limits,
+and the server answers up to N requests at once (one thread each).
+Client: a run's config names the server, rollout.environment = "http://host:8765" (`build`,
+with rollout.isolation's timeout_s and failure_reward); code may build `ServedEnvironment(url)`.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from typing import Any, Optional
 
+from fnt.errors import ConfigError
 from fnt.rollout.environments.protocol import EnvironmentFailed, PromptSource, Reply, Start
 
 OPTIONAL = ("score_turns", "prompt_sources")
@@ -104,9 +107,11 @@ def answer(environment: Any, path: str, body: Mapping[str, Any]) -> dict[str, An
     raise KeyError(path)
 
 
-def make_server(environment: Any, host: str, port: int) -> HTTPServer:
-    """A server of `environment` on host:port (0: any free port, server.server_port), one
-    request at a time (calls reach the environment in the order they arrive)."""
+def make_server(environment: Any, host: str, port: int, *, threaded: bool = False) -> HTTPServer:
+    """A server of `environment` on host:port (0: any free port, server.server_port): one
+    request at a time (calls reach the environment in the order they arrive), or with
+    `threaded` one thread per request (for an environment that may be called from several
+    threads at once, such as a pool of workers)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
@@ -130,6 +135,10 @@ def make_server(environment: Any, host: str, port: int) -> HTTPServer:
         def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per call would flood the server's log
 
+    if threaded:
+        server = ThreadingHTTPServer((host, port), Handler)
+        server.daemon_threads = True  # a request hung in the environment does not block exit
+        return server
     return HTTPServer((host, port), Handler)
 
 
@@ -194,6 +203,27 @@ class ServedEnvironment:
         return [PromptSource(s["name"], tuple(s["records"]), s["weight"]) for s in sources]
 
 
+def build(rollout: Any) -> ServedEnvironment:
+    """The client of a run whose rollout.environment is a server's URL, each request with
+    rollout.isolation.timeout_s; ConfigError (one line, how to start a server) when the server
+    does not answer."""
+    isolation = rollout.isolation
+    try:
+        return ServedEnvironment(
+            rollout.environment,
+            timeout_s=isolation.timeout_s,
+            failure_reward=isolation.failure_reward,
+        )
+    except RuntimeError as e:
+        problem = str(e)
+    except (ValueError, KeyError, TypeError) as e:  # something answered, not fnt's protocol
+        problem = f"it is not an environment server: /info answered {type(e).__name__}: {e}"
+    raise ConfigError(
+        f"'rollout.environment' = {rollout.environment!r}: {problem} (start one: python -m "
+        "fnt.rollout.environments.served --factory module:factory --port PORT)"
+    )
+
+
 def server_environment(args: argparse.Namespace) -> Any:
     """The environment the server runs: factory(None), or a pool of workers building it."""
     if args.workers > 0:
@@ -229,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         environment = server_environment(args)
     except ValueError as e:
         parser.exit(2, f"error: --factory {args.factory!r} {e}\n")
-    server = make_server(environment, args.host, args.port)
+    server = make_server(environment, args.host, args.port, threaded=args.workers > 0)
     print(f"serving {args.factory} on http://{args.host}:{server.server_port}", flush=True)
     server.serve_forever()
 
