@@ -23,6 +23,13 @@ so a request's tokens do not depend on what else is in the batch, up to the last
 which a padded batched forward may differ from another. Only models whose caches keep every
 token can be batched so (`supports`): a sliding-window layer drops old tokens, and its rows
 cannot be cut out of the batch.
+
+Which rows share a forward pass depends on when requests arrive, and so on time (an
+environment's latency), and those last float bits with it. What a run records must not: the
+engine records each episode's logprobs from one forward pass of the episode alone
+(`logprobs_alone`), the same whatever was batched beside it, so a resumed run trains on exactly
+the numbers the uninterrupted one did (the sampled tokens could differ only where two candidates
+tie to those last bits).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from fnt.model.attention import decoding_attention
+from fnt.model.compile import eager_layers
 from fnt.rollout.sampling import (
     Completion,
     RowCache,
@@ -244,3 +253,18 @@ class ContinuousBatch:
         self.attention = attention[index]
         self.next_position = positions[index, -1:] + 1
         return logits[index]
+
+
+@torch.no_grad()
+def logprobs_alone(
+    model: nn.Module, token_ids: Sequence[int], positions: Sequence[int], temperature: float
+) -> list[float]:
+    """log-softmax(logits / temperature) of the tokens at `positions` (each > 0) of
+    `token_ids`, in float32, from one forward pass of the sequence alone (module docstring)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
+    before = torch.tensor([p - 1 for p in positions], dtype=torch.int64, device=device)
+    with eager_layers(), decoding_attention(model):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=before).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, ids[0, before + 1][:, None]).squeeze(-1).tolist()

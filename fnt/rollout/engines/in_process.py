@@ -55,7 +55,7 @@ from fnt.rollout.base import (
     has_signal,
     rollout_policy_step,
 )
-from fnt.rollout.continuous import ContinuousBatch, Request, supports
+from fnt.rollout.continuous import ContinuousBatch, Request, logprobs_alone, supports
 from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import step_prompts
 from fnt.rollout.sampling import Completion, RowCache, generate, sampling_seed, turn_seed
@@ -210,6 +210,26 @@ class ModelStream:
         for (slot, index, turn), completion in self.batch.step():
             self.deliver((slot, index, turn), self.turns._keep(completion, slot, index))
         return True
+
+    def settle_(self, episodes) -> None:
+        """Each episode's recorded logprobs from one forward pass of each of its samples alone
+        (fnt.rollout.continuous.logprobs_alone): which turns shared a decoding batch depends on
+        timing, and the last float bits of their logprobs with it."""
+        temperature = self.turns.engine.config.rollout.temperature
+        for episode in (e for group in episodes for e in group):
+            branches = []
+            for branch in episode.branches():
+                positions = [i for i, sampled in enumerate(branch.sampled) if sampled]
+                logprobs = list(branch.logprobs)
+                if positions:
+                    alone = logprobs_alone(
+                        self.turns.model, branch.token_ids, positions, temperature
+                    )
+                    for i, lp in zip(positions, alone):
+                        logprobs[i] = lp
+                branches.append(dataclasses.replace(branch, logprobs=tuple(logprobs)))
+            episode.closed = branches[:-1]
+            episode.logprobs = list(branches[-1].logprobs)
 
 
 class InProcessEngine(PromptRollouts):

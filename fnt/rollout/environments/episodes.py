@@ -186,6 +186,11 @@ class TurnStream(Protocol):
         threads)."""
         ...
 
+    def settle_(self, episodes: Sequence[Sequence["Episode"]]) -> None:
+        """After the last turn: make what the episodes recorded independent of how their turns
+        were batched (in-process: logprobs from each episode alone, fnt.rollout.continuous)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Branch:
@@ -485,6 +490,7 @@ def run_independent(
                     in_flight += 1
     finally:
         pool.shutdown(wait=in_flight == 0, cancel_futures=True)
+    stream.settle_(episodes)
     return episodes
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fnt.errors import UserCodeError
+from fnt.rollout.continuous import logprobs_alone
 from fnt.rollout.engines import in_process
 from tests.fnt.rollout.conftest import rl_config, rl_state
 from tests.fnt.rollout.test_engine import check_logprobs_match
@@ -105,3 +106,17 @@ def test_an_environment_that_raises_stops_the_rollout_with_its_message(
     monkeypatch.setattr(environment, "respond", broken)
     with pytest.raises(UserCodeError, match="failed to answer turn 1 on .*the sandbox is gone"):
         state.handles.rollouts.rollout(state)
+
+
+def test_recorded_logprobs_are_each_samples_own_forward_pass(policy_dir, prompts_file):
+    """Which turns shared a decoding batch depends on timing; the recorded logprobs do not:
+    they are exactly those of a forward pass of each sample alone."""
+    state = multi_turn_state(policy_dir, prompts_file, "latency_env:jittery")
+    engine = state.handles.rollouts
+    engine.sync_weights_(state.handles.model)
+    samples, _, _ = engine.sample(engine.model, 1, state.progress.data, 0)
+    assert any(s.turns > 1 for s in samples)
+    for sample in samples:
+        positions = [i for i, sampled in enumerate(sample.sampled) if sampled]
+        alone = logprobs_alone(engine.model, sample.token_ids, positions, 0.7)
+        assert [sample.logprobs[i] for i in positions] == alone
