@@ -18,6 +18,11 @@ the environment owns the conversation and the reward):
         The episode's reward; named rewards are summed with the environment's `reward_weights`
         (a name it lacks weighs 1.0) and logged each as reward/{name}/mean.
 
+Episodes advance on their own (rollout.lockstep = false): `respond` and `score` may be called
+from several threads at once, for different episodes, never twice at once for one
+(rollout.env_concurrency; 1 calls them one at a time). Any method may be `async def`: its
+coroutine runs on fnt's one event loop (fnt.rollout.user_code).
+
 A model turn reaches the environment as
     {"role": "assistant", "content": ..., "reasoning": ..., "tool_calls": [...], "text": ...}
 read in the format of the model's family (fnt.rollout.environments.parsers; rollout.tool_parser
