@@ -1,7 +1,7 @@
 """The multi-turn reverse-text demo: tiny model -> SFT on synthetic transcripts -> RL with the
 feedback environment, and from the same SFT model -> SFT on tool transcripts -> RL with a tool
-environment, with held-out episode evals in between. Side effects: writes under --runs and runs
-the scripts in subprocesses.
+environment, each RL run validating its start and its end on held-out episodes. Side effects:
+writes under --runs and runs the scripts in subprocesses.
 
 The task: reverse a string; a wrong answer gets a hint, the first half of the true reversal,
 and one more try (examples/reverse_text/environments.py:feedback, rollout.max_turns = 2). The
@@ -19,16 +19,22 @@ such episodes (call, tool message, answer; both model turns trained) teaches the
 the tool environment then trains on the model's own episodes, rewarded by the answer's
 similarity to the reversal.
 
-Its last line is one JSON object: {"sft": {...}, "rl": {...}, "tool_sft": {...},
-"tool_rl": {...}} with, for the feedback task's SFT and RL result, the held-out (200 prompts,
-greedy) mean similarity of the first answer ("single_turn": what a single-turn episode scores)
-and of the episode's last answer ("multi_turn"), and the mean model turns; for the tool task's,
-the held-out (200 words, greedy) mean episode reward, tool calls and turns
-(examples/reverse_text/eval_episodes.py). "rl_val" is the feedback RL run's own validation
-(fnt's in-run val, the same 200 held-out prompts run to the episode's end): its start state's and
-last step's greedy episode reward ("multi_turn", val/reward/mean), first answer's
-("single_turn", val/reward/first/mean: the one-turn score) and, over 4 sampled episodes per
-prompt at rollout.temperature, avg@4 and pass@4 (an exact reversal).
+The held-out numbers are the RL runs' own validation (fnt's in-run val,
+fnt.evaluation.held_out): each RL run validates its start state (the SFT model) and its last
+step on the held-out prompts, every one run greedily to the episode's end with the run's
+environment and episode rules, and the demo reads them from the run's metrics.jsonl
+(val/start/* in its first row, val/* in its last).
+
+Its last line is one JSON object: {"sft": {...}, "rl": {...}, "rl_val": {...}, "tool_sft":
+{...}, "tool_rl": {...}} with, for the feedback task's SFT and RL result, the held-out (200
+prompts, greedy) mean similarity of the first answer ("single_turn", val/reward/first/mean:
+what a single-turn episode scores) and of the episode's last answer ("multi_turn",
+val/reward/mean), and the mean model turns ("turns", val/turns/mean); for the tool task's, the
+held-out (200 words, greedy) mean episode reward ("reward"), tool calls ("tool_calls") and
+turns; each with "n" (held-out prompts) and "model" (the run and the step validated). "rl_val"
+adds to the feedback RL run's start and end, over 4 sampled episodes per prompt at
+rollout.temperature, avg@4 and pass@4 (an exact reversal). With --tasks tool there is no
+feedback RL run, so no "sft", "rl" or "rl_val".
 
     python examples/reverse_text/demo_multiturn.py [--runs runs] [--seed 0]
 """
@@ -47,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 
-from examples.reverse_text.demo import TINY_MODEL, export_last, last_json, run  # noqa: E402
+from examples.reverse_text.demo import TINY_MODEL, export_last, run  # noqa: E402
 from examples.reverse_text.environments import (  # noqa: E402
     hidden_word,
     hint,
@@ -62,8 +68,9 @@ TOOL_ENVIRONMENT = "examples.reverse_text.environments:lookup_tool"
 SFT_STEPS = 300
 RL_STEPS = 100
 # The tool task, seed 0: 40 SFT steps teach the call (every held-out episode calls) and leave
-# the reversal of the tool's word at 0.61; 40 RL steps of 16 x 8 episodes raise it to 0.68
-# (8 x 8 episodes: 0.62, with a collapse to 0.14 sampled reward at step 6).
+# the reversal of the tool's word at 0.55; 40 RL steps of 16 x 8 episodes raise it to 0.66
+# (2026-12-05; on 2026-12-04's code 0.61 -> 0.68, and 8 x 8 episodes 0.62, with a collapse to
+# 0.14 sampled reward at step 6).
 TOOL_SFT_STEPS = 40
 # Sampled held-out episodes per prompt in the feedback RL run's val (val.samples).
 VAL_SAMPLES = 4
@@ -122,32 +129,55 @@ def write_tool_data(out: Path, seed: int) -> None:
         (out / f"tool_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def run_validation(metrics: Path) -> dict:
-    """The in-run val of a feedback RL run's rows (metrics.jsonl): its start state's
-    (val/start/*, in the first row) and its last evaluated step's."""
+def validation_rows(run_dir: Path) -> tuple[tuple[dict, str, int], ...]:
+    """The RL run's start state's val (val/start/* of its first row) and its last validated
+    step's (val/* of that row): each the row's values without the prefix, what it names and
+    the updates its model had."""
+    metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    k = VAL_SAMPLES
+    last = [row for row in rows if "val/reward/mean" in row][-1]
 
     def read(row: dict, prefix: str) -> dict:
-        return {
-            "single_turn": row[f"{prefix}reward/first/mean"],
-            "multi_turn": row[f"{prefix}reward/mean"],
-            f"avg@{k}": row[f"{prefix}reward/avg@{k}"],
-            f"pass@{k}": row[f"{prefix}reward/pass@{k}"],
-        }
+        return {k[len(prefix) :]: v for k, v in row.items() if k.startswith(prefix)}
 
-    last = [row for row in rows if "val/reward/mean" in row][-1]
-    return {
-        "start": read(rows[0], "val/start/"),
-        "end": {"step": last["step"], **read(last, "val/")},
-    }
+    start = (read(rows[0], "val/start/"), f"{run_dir} at its start (step 0)", 0)
+    end = (read(last, "val/"), f"{run_dir} after step {last['step']}", last["step"])
+    return start, end
 
 
-def evaluate(model: Path, data: Path, environment: str = "feedback") -> dict:
-    """Held-out episodes of `model` (eval_episodes.py's last line)."""
-    heldout = data / ("heldout.jsonl" if environment == "feedback" else "tool_heldout.jsonl")
-    args = [str(HERE / "eval_episodes.py"), "--model", str(model), "--data", str(heldout)]
-    return last_json(*args, "--environment", environment)
+def held_out_lines(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+
+def feedback_validation(run_dir: Path, heldout: Path) -> dict:
+    """{"sft": ..., "rl": ..., "rl_val": ...} from a feedback RL run's in-run val."""
+    k, n = VAL_SAMPLES, held_out_lines(heldout)
+    result, rl_val = {}, {}
+    for name, (val, model, step) in zip(("sft", "rl"), validation_rows(run_dir)):
+        episodes = {"single_turn": val["reward/first/mean"], "multi_turn": val["reward/mean"]}
+        result[name] = {"model": model, **episodes, "turns": val["turns/mean"], "n": n}
+        sampled = {f"avg@{k}": val[f"reward/avg@{k}"], f"pass@{k}": val[f"reward/pass@{k}"]}
+        if name == "sft":
+            rl_val["start"] = {**episodes, **sampled}
+        else:
+            rl_val["end"] = {"step": step, **episodes, **sampled}
+    return {**result, "rl_val": rl_val}
+
+
+def tool_validation(run_dir: Path, heldout: Path) -> dict:
+    """{"tool_sft": ..., "tool_rl": ...} from a tool RL run's in-run val."""
+    result, n = {}, held_out_lines(heldout)
+    for name, (val, model, _) in zip(("tool_sft", "tool_rl"), validation_rows(run_dir)):
+        counts = {"tool_calls": val["tool_calls/mean"], "turns": val["turns/mean"]}
+        result[name] = {"model": model, "reward": val["reward/mean"], **counts, "n": n}
+    return result
+
+
+def validate_start_and_end(heldout: Path, steps: int, samples: int = 0) -> list[str]:
+    """The RL arguments that validate the start state and the last step on `heldout`: whole
+    greedy episodes (and `samples` sampled ones per prompt)."""
+    args = ["--val.prompts", str(heldout), "--val.eval-on-start", "--val.interval", str(steps)]
+    return args + (["--val.samples", str(samples)] if samples else [])
 
 
 def tool_stages(
@@ -155,18 +185,18 @@ def tool_stages(
 ) -> tuple[dict, dict]:
     """The tool task from the SFT model `sft_hf` (which reverses): a short SFT on tool episodes
     (both model turns, the call and the answer, trained), then RL with the tool environment,
-    each followed by the held-out eval. ({"tool_sft": ..., "tool_rl": ...}, stage seconds)."""
+    which validates its start (the tool SFT model) and its end on the held-out words.
+    ({"tool_sft": ..., "tool_rl": ...}, stage seconds)."""
     sft_dir, sft_out = runs / "multiturn-tool-sft", runs / "multiturn-tool-sft-hf"
     rl_dir, rl_out = runs / "multiturn-tool-rl", runs / "multiturn-tool-rl-hf"
     for stale in (sft_dir, sft_out, rl_dir, rl_out):  # a rerun starts over
         shutil.rmtree(stale, ignore_errors=True)
-    started, result = time.time(), {}
+    started = time.time()
     sources = json.dumps([{"path": str(data / "tool_sft.jsonl")}])
     sft_args = ["--model.name", str(sft_hf), "--output-dir", str(sft_dir), "--seed", str(seed)]
     sft_args += ["--data.sources", sources, "--max-steps", str(sft_steps)]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args)
     export_last(sft_dir, sft_out)
-    result["tool_sft"] = evaluate(sft_out, data, "lookup_tool")
     seconds = {"tool_sft": time.time() - started}
 
     # 16 prompts x 8 episodes a step: a call (57 tokens), the tool's word, the answer: ~140
@@ -178,11 +208,12 @@ def tool_stages(
     rl_args += ["--rollout.max-new-tokens", "64", "--rollout.prompts-per-step", "16"]
     rl_args += ["--batch-size", "64", "--micro-batch-size", "8"]
     rl_args += ["--max-steps", str(rl_steps), "--schedule.warmup-steps", "10"]
+    heldout = data / "tool_heldout.jsonl"
+    rl_args += validate_start_and_end(heldout, rl_steps)
     run("scripts/rl.py", *rl_args)
     export_last(rl_dir, rl_out)
-    result["tool_rl"] = evaluate(rl_out, data, "lookup_tool")
     seconds["tool_rl"] = time.time() - started - seconds["tool_sft"]
-    return result, seconds
+    return tool_validation(rl_dir, heldout), seconds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     sft_args += ["--data.train-turns", "last", "--max-steps", str(args.sft_steps)]
     run("scripts/sft.py", "--config", str(HERE / "sft.toml"), *sft_args, *seed)
     export_last(sft_dir, sft_hf)
-    result = {"sft": evaluate(sft_hf, data)}
+    result: dict = {}
     seconds["sft"] = time.time() - started - sum(seconds.values())
 
     if args.tasks != "tool":
@@ -229,13 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         rl_args += ["--rollout.environment", ENVIRONMENT, "--rollout.max-turns", "2"]
         rl_args += ["--rollout.prompts-per-step", "16", "--batch-size", "64"]
         rl_args += ["--max-steps", str(args.rl_steps), "--schedule.warmup-steps", "10"]
-        # The run validates its start and its end on the held-out prompts: whole episodes.
-        rl_args += ["--val.prompts", str(data / "heldout.jsonl"), "--val.eval-on-start"]
-        rl_args += ["--val.interval", str(args.rl_steps), "--val.samples", str(VAL_SAMPLES)]
+        # The run validates its start (the SFT model) and its end on the held-out prompts.
+        heldout = data / "heldout.jsonl"
+        rl_args += validate_start_and_end(heldout, args.rl_steps, VAL_SAMPLES)
         run("scripts/rl.py", *rl_args)
         export_last(rl_dir, rl_hf)
-        result["rl"] = evaluate(rl_hf, data)
-        result["rl_val"] = run_validation(rl_dir / "metrics.jsonl")
+        result.update(feedback_validation(rl_dir, heldout))
         seconds["rl"] = time.time() - started - sum(seconds.values())
 
     if args.tasks != "feedback":

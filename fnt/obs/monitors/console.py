@@ -65,7 +65,7 @@ def console_line(row: Mapping[str, Any], max_steps: int, elapsed: float, steps_d
     | margin 0.412` (rewards/accuracies and rewards/margins) after its loss. Pure."""
     step = row["step"]
     parts = [f"step {step}/{max_steps}"]
-    for key, label, spec in (*CONSOLE_FIELDS, *sampled_fields(row)):
+    for key, label, spec in (*CONSOLE_FIELDS, *sampled_fields(row), *member_fields(row)):
         value = row.get(key)
         if isinstance(value, float):
             parts.append(f"{label} {_number(value, spec)}")
@@ -132,6 +132,22 @@ def sampled_fields(row: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         for key in row
         if key.startswith(prefix)
     ]
+
+
+def member_fields(row: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """The console fields of a mixture's per-member greedy val reward (rollout.environments:
+    val/{name}/reward/mean as `val/{name}`, the start state's val/start/{name}/reward/mean as
+    `val/start/{name}`). Pure."""
+    fields = []
+    for key in row:
+        parts = key.split("/")
+        if parts[0] != "val" or parts[-2:] != ["reward", "mean"]:
+            continue
+        if len(parts) == 4 and parts[1] not in ("reward", "start"):
+            fields.append((key, f"val/{parts[1]}", ".3f"))
+        elif len(parts) == 5 and parts[1] == "start" and parts[2] != "reward":
+            fields.append((key, f"val/start/{parts[2]}", ".3f"))
+    return fields
 
 
 class ConsoleMonitor:

@@ -13,11 +13,13 @@ import math
 
 import pytest
 
+from fnt.apps.inspect import default_keys
 from fnt.config import ConfigError, ValConfig
 from fnt.config.modes import has_val_data
 from fnt.config.schema import MixtureEntryConfig
 from fnt.config.validation import validate_val
 from fnt.evaluation import Evaluation
+from fnt.obs.monitors.console import console_line
 from fnt.rollout.environments import Reply, Start
 
 from .conftest import rl_config, rl_state
@@ -127,6 +129,10 @@ def test_each_member_is_validated_on_its_own_prompts(policy_dir, prompts_file, t
     overall = {"reward/mean", "reward/avg@2", "reward/pass@2", "reward/once/correct/mean"}
     overall |= {"turns/mean", "tool_calls/mean"}
     assert set(row) == {prefix + key for key in member_keys | overall} | {"time/val"}
+    # The console line shows each member's greedy reward; fnt plot draws every val/ key.
+    line = console_line({"step": 1, **row}, max_steps=1, elapsed=1.0, steps_done=1)
+    assert "val/start/twice 0.400 | val/start/once 0.333" in line
+    assert {prefix + key for key in member_keys} <= set(default_keys(set(row)))
     # Each member's prompts keep their index among all the held-out prompts (their seeds).
     members = dict(state.handles.val.members)
     assert list(members) == ["twice", "once"]
