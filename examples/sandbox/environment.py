@@ -1,10 +1,17 @@
 """A code-executing task run sandboxed: the model answers in a ```python block, the environment
 runs that code in a worker process under a time and memory limit and scores what it prints.
-Side effects: `pooled` starts worker processes (fnt.rollout.environments.pooled); `build`'s
-environment executes model-written code in the process it runs in (a worker, never the trainer).
+Side effects: `build`'s environment executes model-written code in the process it runs in: a
+worker process (rollout.isolation.workers, fnt.rollout.environments.pooled), never the trainer.
+examples/sandbox/rl.toml runs it:
 
-    rollout.environment = "examples.sandbox.environment:pooled"
-    rollout.prompts = "examples/sandbox/prompts.jsonl"   # {"prompt": ..., "answer": ...}
+    [rollout]
+    environment = "examples.sandbox.environment:build"
+    prompts = "examples/sandbox/prompts.jsonl"   # {"prompt": ..., "answer": ...}
+
+    [rollout.isolation]
+    workers = 2
+    timeout_s = 10
+    memory_mb = 1024
 
 Code that crashes its worker (os._exit, a segfault), sleeps or loops past the time limit, or
 allocates past the memory limit costs only its episode: it is worth 0 and counted in
@@ -19,7 +26,6 @@ import io
 import re
 
 from fnt.rollout.environments import Start
-from fnt.rollout.environments.pooled import PooledEnvironment
 
 SYSTEM = "Answer with a Python program in a ```python code block that prints the answer."
 CODE_BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
@@ -61,12 +67,12 @@ class SandboxEnvironment:
 
 
 def build(rollout):
-    """The environment itself; run it only in a worker (it executes the model's code)."""
+    """The environment itself; run it only in workers (rollout.isolation.workers > 0: it
+    executes the model's code). A run's config that would build it in the trainer's process is
+    refused; a server builds it with rollout None (run the server with --workers)."""
+    if rollout is not None and rollout.isolation.workers == 0:
+        raise ValueError(
+            "it runs model-written code: run it in worker processes, [rollout.isolation] "
+            "workers = 2 (examples/sandbox/rl.toml)"
+        )
     return SandboxEnvironment()
-
-
-def pooled(rollout):
-    """The sandbox in two worker processes: 10 s per call, 1 GiB of address space each."""
-    return PooledEnvironment(
-        "examples.sandbox.environment:build", rollout, workers=2, timeout_s=10.0, memory_mb=1024
-    )

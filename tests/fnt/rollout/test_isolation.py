@@ -2,10 +2,12 @@
 trainer's process. A TOML config builds the pooled environment (a worker's crash costs only its
 episode, counted), a URL builds the served one (its server's crash likewise), a mixture's members
 are pooled alike, start-up tries a served environment on the first prompt, the pool answers
-calls from several threads at once, and each wrong setting is one ConfigError naming its key."""
+calls from several threads at once, the sandbox example's config runs it in limited workers,
+and each wrong setting is one ConfigError naming its key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 import threading
@@ -15,6 +17,7 @@ import pytest
 
 from fnt.apps.preflight import require_episodes, try_user_code
 from fnt.config import RLConfig, load_config, validate
+from fnt.config.schema import IsolationConfig
 from fnt.errors import ConfigError, UserCodeError
 from fnt.rollout.base import episode_metrics, episode_sums
 from fnt.rollout.environments import MixtureEnvironment, environment_of
@@ -306,3 +309,18 @@ def test_a_wrong_isolation_setting_is_one_config_error_naming_its_key(tmp_path, 
     with pytest.raises(ConfigError, match=message) as raised:
         config_of(tmp_path, text)
     assert "\n" not in str(raised.value)
+
+
+def test_the_sandbox_examples_config_runs_it_in_two_limited_workers(built):
+    config, _ = load_config(["--config", "examples/sandbox/rl.toml"], RLConfig)
+    validate(config, 1)
+    environment, _ = built(config.rollout)
+    assert isinstance(environment, PooledEnvironment)
+    limits = (len(environment.workers), environment.timeout_s, environment.memory_mb)
+    assert limits == (2, 10.0, 1024)
+    messages = [{"role": "assistant", "text": program("print(sum(range(1, 101)))")}]
+    assert environment.score({"answer": "5050"}, messages) == 1.0
+    # Without the workers, the example refuses to run model-written code in the trainer.
+    in_process = dataclasses.replace(config.rollout, isolation=IsolationConfig())
+    with pytest.raises(UserCodeError, match=r"runs model-written code: run it in worker"):
+        environment_of(in_process)
