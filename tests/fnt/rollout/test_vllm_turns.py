@@ -7,7 +7,9 @@ context. The real server's multi-turn test is tests/e2e/test_vllm.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
+import time
 
 import pytest
 
@@ -182,3 +184,61 @@ def test_vllm_multi_turn_episodes_send_exact_ids_and_train_what_the_servers_samp
     assert metrics["rollout/turns/mean"] == pytest.approx(5 / 3)
     assert metrics["rollout/tool_calls/mean"] == pytest.approx(2 / 3)
     assert metrics["rollout/tool_errors/mean"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_each_episodes_requests_go_on_their_own(policy_dir, prompts_file, tokenizer, lockstep):
+    """The first request server 0 gets takes 0.5 s to answer. With episodes on their own, the
+    other prompts' episodes send their second turns meanwhile; in lockstep none is sent before
+    every first turn is answered."""
+    script = ScriptedVLLM(tokenizer, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    times: list[tuple[int, float, float, bool]] = []  # (n, arrived, answered, slowed)
+    lock = threading.Lock()
+
+    def timed(index):
+        answer = script.answer_for(index)
+
+        def slow_once(method, path, body):
+            arrived = time.monotonic()
+            if path != "/v1/completions":
+                return answer(method, path, body)
+            with lock:
+                slow = index == 0 and not any(slowed for *_, slowed in times)
+                if slow:
+                    times.append((body["n"], arrived, math.inf, True))
+            if slow:
+                time.sleep(0.5)
+            out = answer(method, path, body)
+            with lock:
+                if slow:
+                    times.remove((body["n"], arrived, math.inf, True))
+                times.append((body["n"], arrived, time.monotonic(), slow))
+            return out
+
+        return slow_once
+
+    servers = [FakeServer(timed(i)) for i in range(2)]
+    config = rl_config(
+        policy_dir,
+        prompts_file,
+        engine="vllm",
+        environment="tests.fnt.rollout.multi_turn_env:tools",
+        group_size=3,
+        max_new_tokens=96,
+        max_turns=3,
+        lockstep=lockstep,
+        vllm=VLLMConfig(urls=tuple(s.url for s in servers), retry_s=0.0),
+    )
+    state = rl_state(dataclasses.replace(config, seq_len=512, batch_size=12))
+    engine = state.handles.rollouts
+    try:
+        engine.publish_(state)
+        engine.rollout(state)
+    finally:
+        engine.close()
+        for server in servers:
+            server.close()
+    [slow_answered] = [answered for *_, answered, slowed in times if slowed]
+    second_turns_meanwhile = [a for n, a, _, _ in times if n == 1 and a < slow_answered]
+    assert len(times) == 12
+    assert (second_turns_meanwhile == []) == lockstep
