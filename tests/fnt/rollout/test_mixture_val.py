@@ -171,3 +171,47 @@ def test_the_config_checks_of_a_mixtures_held_out_prompts(policy_dir, prompts_fi
     assert not has_val_data(
         dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, environments=bare))
     )
+
+
+def test_members_sample_as_the_whole_mixture_would_at_any_number_of_ranks(
+    policy_dir, prompts_file, tmp_path
+):
+    # Two members scored by what the model writes: each member's sampled episodes are seeded by
+    # its prompts' places among all the held-out prompts, so the members' sums add up to those
+    # of all the prompts run together, and two ranks' shares to one rank's.
+    import types
+
+    from fnt.evaluation.held_out import sampled_episode_sums
+
+    words = [["abc", "hello", "stop"], ["xyzzy", "ok", "tiny"]]
+    entries = tuple(
+        MixtureEntryConfig(
+            name=name,
+            environment="tests.fnt.rollout.multi_turn_env:lenient_feedback",
+            prompts=str(prompts_file),
+            val_prompts=write(tmp_path / f"{name}.jsonl", [{"prompt": f"say {w}"} for w in ws]),
+        )
+        for name, ws in zip(("a", "b"), words)
+    )
+    config = rl_config(
+        policy_dir, "", environments=entries, max_turns=3, max_new_tokens=6, temperature=0.7
+    )
+    val = ValConfig(interval=1, samples=K)
+    config = dataclasses.replace(config, seq_len=256, max_steps=1, val=val)
+    state = rl_state(config)
+    data, engine = state.handles.val, state.handles.rollouts
+    engine.sync_weights_(state.handles.model)
+
+    def sums(part, r=0, dp=1):
+        runtime = types.SimpleNamespace(
+            dp_rank=r, dims=types.SimpleNamespace(dp=dp), device="cpu", distributed=False
+        )
+        return sampled_episode_sums(engine, part, runtime, config, step=5)
+
+    members = [sums(member) for _, member in data.members]
+    together = sums(dataclasses.replace(data, members=()))
+    assert [a + b for a, b in zip(*members)] == pytest.approx(together, abs=1e-12)
+    assert together[1] == K * 6 and 0 < together[2] < 6  # some prompts pass, some do not
+    for _, member in data.members:
+        two = [a + b for a, b in zip(sums(member, 0, 2), sums(member, 1, 2))]
+        assert two == pytest.approx(sums(member), abs=1e-12)
