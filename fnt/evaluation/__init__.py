@@ -11,7 +11,8 @@ mode's `eval_data` and only the composition root (fnt.build) imports.
   (the summed cross entropy of all loss tokens over their count), val/perplexity (its exp) and
   val/num_tokens (that count) with val.sources; val/reward/mean with val.prompts (or an
   environment's held-out prompts), and val/reward/avg@k and val/reward/pass@k with val.samples
-  = k: the same keys at every evaluation, named by the config.
+  = k; per environment of a mixture, val/{name}/reward/mean (and avg@k, pass@k); the same keys
+  at every evaluation, named by the config.
 - `val.eval_on_start` evaluates the start state (after S updates: 0, or the resumed
   checkpoint's step) before the first step, and its values go into the run's first row, S + 1,
   as val/start/loss, val/start/perplexity, val/start/num_tokens, val/start/reward/mean. They have

@@ -29,6 +29,13 @@ reward >= 1 (`PASS_REWARD`: fnt's task rewards are 1 for a fully right answer, a
 similarity or partial credit near 1 is not a pass). With n = k samples, the unbiased pass@k
 estimator of Chen et al. 2021 (1 - C(n - c, k) / C(n, k)) is exactly "any of the k passed".
 
+Whole episodes also give turns/mean and tool_calls/mean, the model turns and tool calls per
+greedy episode. A mixture's (rollout.environments) held-out prompts are its members' (an
+entry's val_prompts, or a built-in's own), and each member with some is validated on its own
+(`member_eval_data`: its prompts run by its environment, through the mixture's dispatch, with
+messages that name its entry): {name}/reward/mean, {name}/reward/avg@k and {name}/reward/pass@k
+per member, beside the overall keys over all held-out prompts (each prompt weighs the same).
+
 Which rows get which keys is fnt.evaluation's `Evaluation` (the driver's side of evaluation).
 """
 
