@@ -282,12 +282,12 @@ def parse_completions(
 
 
 class ServerTurns:
-    """The vLLM engine's TurnSampler (fnt.rollout.environments.episodes): under
-    rollout.lockstep every request of a turn is in flight at once, spread over the servers
-    (else `stream` sends each episode's turns on their own, `ServerStream`). The first turn is one request per
-    prompt with n = group_size (prompt i on server i mod S); a later turn is one request per
-    running episode with n = 1 and its own token budget, on the server its prompt used (whose
-    prefix cache holds its context)."""
+    """The vLLM engine's TurnSampler (fnt.rollout.environments.episodes). The first turn is
+    one request per prompt with n = group_size (prompt i on server i mod S); a later turn is one
+    request per running episode with n = 1 and its own token budget, on the server its prompt
+    used (whose prefix cache holds its context). Under rollout.lockstep every request of a turn
+    is in flight at once; else `stream` sends each episode's turns on their own
+    (`ServerStream`)."""
 
     def __init__(self, engine: "VLLMEngine", step: int, prompts) -> None:
         self.engine, self.step, self.prompts = engine, step, prompts
