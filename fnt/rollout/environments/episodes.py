@@ -11,7 +11,8 @@ engine that samples turns as they come (`TurnStream`: the in-process engine batc
 continuously, fnt.rollout.continuous; the vLLM engine sends each as its own request), and the
 environment's calls run concurrently on up to rollout.env_concurrency threads (an async
 environment's coroutines on fnt's event loop, fnt.rollout.user_code), so an episode never waits
-for another's turn or tool. Each turn draws from a generator of its own, seeded by (seed, step,
+for another's turn or tool; an episode that ends is scored on those threads while the others
+run. Each turn draws from a generator of its own, seeded by (seed, step,
 slot, episode, turn), so the samples do not depend on the order in which episodes finish.
 Under rollout.lockstep = true (and with an engine that cannot stream turns, or one model turn
 per episode) every turn is one batched call over the episodes still running and the
@@ -225,6 +226,8 @@ class Episode:
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     # The samples the episode closed when its environment rewrote the history, in order.
     closed: list[Branch] = field(default_factory=list)
+    # Its score being computed (`score_soon`), when it ended among running episodes.
+    scoring: Optional[Future] = None
 
     def branches(self) -> list[Branch]:
         """The episode's samples: the closed ones and the one in progress."""
@@ -479,6 +482,8 @@ def run_independent(
                     if take_turn_(episode, result, environment, tokenizer, rules):
                         ask(episode, result)
                         in_flight += 1
+                    else:
+                        score_soon(episode, environment, rules, pool)
                     continue
                 try:
                     take_reply_(episode, reply.result(), result, tokenizer, rules)
@@ -488,10 +493,24 @@ def run_independent(
                     key = (slot, index, episode.turns + 1)
                     stream.submit(episode.token_ids, turn_limit(episode, rules), key)
                     in_flight += 1
-    finally:
-        pool.shutdown(wait=in_flight == 0, cancel_futures=True)
+                else:
+                    score_soon(episode, environment, rules, pool)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)  # the scores still being computed
     stream.settle_(episodes)
     return episodes
+
+
+def score_soon(
+    episode: Episode, environment: Environment, rules: EpisodeRules, pool: ThreadPoolExecutor
+) -> None:
+    """Start scoring an episode that ended on the pool, beside the running episodes' turns
+    (`scored_samples` takes the result); nothing for one rollout.on_truncated zeroes or drops,
+    and under turn credit (its scores come with the turn rewards)."""
+    if rules.credit == "episode" and not (episode.truncated and rules.on_truncated != "score"):
+        episode.scoring = pool.submit(score_episode, episode, environment, rules)
 
 
 def score_episode(episode: Episode, environment: Environment, rules: EpisodeRules) -> Scored:
@@ -622,6 +641,8 @@ def scored_samples(
         scores = [
             Scored(0.0)
             if e.truncated and rules.on_truncated == "zero"
+            else e.scoring.result()
+            if e.scoring is not None
             else score_episode(e, environment, rules)
             for e in kept
         ]

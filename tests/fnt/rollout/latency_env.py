@@ -62,3 +62,22 @@ class AsyncFeedback(FeedbackEnvironment):
 
 def async_feedback(rollout):
     return AsyncFeedback()
+
+
+class SlowScores(TimedFeedback):
+    """feedback whose `score` takes 50 ms; records (start, end) of every score in `scores`."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda turn: 0.0)
+        self.scores = []
+
+    def score(self, record, messages):
+        start = time.monotonic()
+        time.sleep(0.05)
+        with self.lock:
+            self.scores.append((start, time.monotonic()))
+        return super().score(record, messages)
+
+
+def slow_scores(rollout):
+    return SlowScores()

@@ -120,3 +120,16 @@ def test_recorded_logprobs_are_each_samples_own_forward_pass(policy_dir, prompts
         positions = [i for i, sampled in enumerate(sample.sampled) if sampled]
         alone = logprobs_alone(engine.model, sample.token_ids, positions, 0.7)
         assert [sample.logprobs[i] for i in positions] == alone
+
+
+def test_an_episode_that_ends_is_scored_while_the_others_run(policy_dir, prompts_file):
+    for lockstep in (False, True):
+        state = multi_turn_state(
+            policy_dir, prompts_file, "latency_env:slow_scores", lockstep=lockstep
+        )
+        state.handles.rollouts.rollout(state)
+        environment = state.handles.rollouts.environment
+        last_answer = max(end for _, _, end, _ in environment.calls)
+        first_score = min(start for start, _ in environment.scores)
+        assert len(environment.scores) == 16
+        assert (first_score < last_answer) != lockstep
