@@ -42,11 +42,9 @@ under --work first (about a minute) unless --model names a model that ends its t
 seconds per step (rollout, update), sampled and context tokens per step, and two rates of the
 whole step: sampled tokens/s, and all tokens/s (sampled and context: every token the rollout
 reads and the update trains); each ratio is single-turn over multi-turn (target: at most 1.3).
-Measured on 2 shared CPU cores (README, "Running RL"): 2.0-2.2 on sampled tokens, 1.14-1.27 on
-all tokens. A 3-turn episode of this task carries 9 context tokens (prompt, hints, template
-text) per sampled token against 4.9 for one turn; per token, multi-turn costs about 1.25x,
-because its rollout decodes three turns one after another, 64 sequences at a time against 144,
-each attending to a longer context.
+A 3-turn episode of this task carries 9 context tokens (prompt, hints, template text) per
+sampled token against 4.9 for one turn. The numbers measured are in docs/performance.md
+("Multi-turn RL").
 
 The multi-turn episodes run under the default schedule (episodes that advance on their own);
 the same episodes under rollout.lockstep = true (every turn a barrier over all episodes) are
@@ -507,7 +505,10 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
         task, work / "fnt-multi-turn-lockstep", 0, *shape, *multi, "--rollout.lockstep=true"
     )
     runtime = setup_trainer(multi_config)
-    states = {"multi_turn": init_state(multi_config, runtime)}
+    states = {
+        "multi_turn": init_state(multi_config, runtime),
+        "multi_turn_lockstep": init_state(lockstep_config, runtime),
+    }
     # As many sampled tokens a step: single-turn prompts enough for the multi-turn side's
     # sampled tokens, from warm-up steps of both (a turn after a hint is shorter than a first).
     probe = init_state(single_turn(24), runtime)
@@ -517,13 +518,16 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
             states["multi_turn"], rl_source, rl_step, to_floats
         )
         sampled["multi_turn"].append(row["rollout/sampled_tokens"])
+        # The same warm-up, so that both schedules sample the same prompts at every step.
+        states["multi_turn_lockstep"], *_ = fnt_step(
+            states["multi_turn_lockstep"], rl_source, rl_step, to_floats
+        )
         probe, *_, row = fnt_step(probe, rl_source, rl_step, to_floats)
         sampled["single_turn"].append(row["rollout/sampled_tokens"] / 24)
     probe.handles.rollouts.close()
     prompts = max(
         1, round(statistics.fmean(sampled["multi_turn"]) / statistics.fmean(sampled["single_turn"]))
     )
-    states["multi_turn_lockstep"] = init_state(lockstep_config, runtime)
     states["single_turn"] = init_state(single_turn(prompts), runtime)
     keys = ("step_s", "rollout_s", "update_s", "sampled", "context", "turns", "reward")
     seen = {side: {k: [] for k in keys} for side in states}
@@ -593,6 +597,14 @@ def compare_turns(args, task: list[str], work: Path) -> dict:
     )
     print(f"sampled tokens/s single_turn / multi_turn_lockstep = {lockstep_ratio:.3f}")
     result["lockstep_tok_s_ratio"] = lockstep_ratio
+    # The same seed, prompts and policy: the schedule must not change what is sampled.
+    independent, lockstep = seen["multi_turn"], seen["multi_turn_lockstep"]
+    same = (independent["sampled"], independent["reward"]) == (
+        lockstep["sampled"],
+        lockstep["reward"],
+    )
+    print(f"the same samples under both schedules: {same}")
+    result["same_samples"] = same
     return result
 
 

@@ -29,6 +29,10 @@ def test_the_multi_turn_comparison_keeps_three_turns_and_matches_the_sampled_tok
     assert result["tok_s_ratio"] == pytest.approx(ratio)
     all_ratio = result["single_turn_all_tok_s"] / result["multi_turn_all_tok_s"]
     assert result["all_tok_s_ratio"] == pytest.approx(all_ratio)
+    # The same episodes under rollout.lockstep: the same samples, at their own speed.
+    assert result["same_samples"] is True and result["multi_turn_lockstep_turns_mean"] > 2.8
+    lockstep = result["single_turn_sampled_tok_s"] / result["multi_turn_lockstep_sampled_tok_s"]
+    assert result["lockstep_tok_s_ratio"] == pytest.approx(lockstep)
 
 
 LONG_TAIL_KEYS = (
