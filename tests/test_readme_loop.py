@@ -1,5 +1,5 @@
-"""The research loop and the test of your own step shown in README.md, and the preference loss of
-your own in docs/dpo.md, run as printed (so they cannot rot)."""
+"""The research loop shown in README.md, the test of your own step in docs/testing.md and the
+preference loss of your own in docs/dpo.md run as printed (so they cannot rot)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ TESTING_EXAMPLE = re.compile(
 )
 
 
-def readme_block(pattern: re.Pattern) -> str:
-    match = pattern.search((REPO / "README.md").read_text())
-    assert match, f"README.md lost its block {pattern.pattern[:30]}"
+def readme_block(pattern: re.Pattern, page: str = "README.md") -> str:
+    match = pattern.search((REPO / page).read_text())
+    assert match, f"{page} lost its block {pattern.pattern[:30]}"
     return match.group(1)
 
 
@@ -68,7 +68,7 @@ def test_the_readme_research_loop_is_short_public_and_trains(tiny_model_dir, tmp
 def test_the_readme_test_of_your_own_step_passes(tiny_model_dir, tmp_path):
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "tiny-model").symlink_to(tiny_model_dir)
-    (tmp_path / "test_my_step.py").write_text(readme_block(TESTING_EXAMPLE))
+    (tmp_path / "test_my_step.py").write_text(readme_block(TESTING_EXAMPLE, "docs/testing.md"))
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"}
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_step.py"],
