@@ -94,3 +94,27 @@ def test_a_mixture_of_one_environment_trains_as_that_environment_alone(tiny_mode
         for key in EXACT:
             assert a[key] == b[key], (a["step"], key)
         assert b["rollout/letters/reward"] == a["reward/mean"]
+
+
+def test_each_environment_is_validated_on_its_own_held_out_prompts(tiny_model_dir, tmp_path):
+    lines = open(PROMPTS).read().splitlines()
+    held_out = {"letters": lines[:3], "short": lines[3:8]}
+    mixture = mixture_toml(tmp_path, ("letters", "letters", 3.0), ("short", "short", 1.0))
+    text = open(mixture).read()
+    for name, records in held_out.items():  # each entry's val_prompts after its prompts
+        path = tmp_path / f"{name}_val.jsonl"
+        path.write_text("\n".join(records) + "\n")
+        entry = f'environment = "tests.e2e.test_rl_mixture:{name}"\nprompts = "{PROMPTS}"\n'
+        text = text.replace(entry, entry + f'val_prompts = "{path}"\n')
+    open(mixture, "w").write(text)
+    out = tmp_path / "run"
+    extra = ("--max-steps", "2", "--val.interval", "2", "--val.eval-on-start")
+    result = run_cli("rl", *config_args(mixture, tiny_model_dir, out, *extra))
+    first, last = read_metrics(out)
+    for prefix, row in (("val/start/", first), ("val/", last)):
+        means = {name: row[f"{prefix}{name}/reward/mean"] for name in held_out}
+        assert means["letters"] != means["short"]
+        # Overall: every held-out prompt weighs the same (3 of letters', 5 of short's).
+        overall = (3 * means["letters"] + 5 * means["short"]) / 8
+        assert abs(row[f"{prefix}reward/mean"] - overall) < 1e-12
+    assert "val/start/letters " in result.stdout and "val/short " in result.stdout
