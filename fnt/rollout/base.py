@@ -120,9 +120,15 @@ class PromptRollouts:
             env_concurrency=rollout.env_concurrency,
         )
         require_turn_scores(self.environment, self.rules)
-        # Whether an episode may have a later turn (engines keep what continues it, if so).
-        self.multi_turn = rollout.max_turns > 1 and not isinstance(
-            self.environment, SingleTurnEnvironment
+        # Whether an episode may have a later turn (engines keep what continues it, if so, and
+        # run episodes on their own); a mixture's when any member's may.
+        environments = (
+            self.environment.members.values()
+            if isinstance(self.environment, MixtureEnvironment)
+            else [self.environment]
+        )
+        self.multi_turn = rollout.max_turns > 1 and not all(
+            isinstance(e, SingleTurnEnvironment) for e in environments
         )
 
     def step_prompts(self, position: DataPosition) -> tuple[list[int], DataPosition]:
