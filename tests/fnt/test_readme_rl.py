@@ -6,6 +6,7 @@ difficulty filtering, environments out of process, context that changes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from fnt.apps.preflight import check_rollout_data
 from fnt.config import RLConfig, load_config, validate
-from fnt.config.schema import all_keys
+from fnt.config.schema import IsolationConfig, all_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- rl-settings:start -->\n```toml\n(.*?)```\n<!-- rl-settings:end -->", re.S)
@@ -81,5 +82,9 @@ def test_the_example_config_is_valid_and_its_environments_start(at_root):
     config, _ = load_config(["--config", CONFIG], RLConfig)
     validate(config, 1)
     assert [e.name for e in config.rollout.environments] == ["hint", "three"]
-    # Each member built in its worker processes, tried on its first prompt and stopped.
-    check_rollout_data(config)
+    assert config.rollout.isolation.workers == 2
+    # Each member built and tried on its first prompt, in this process (workers cost a second
+    # each to start; tests/fnt/rollout/test_isolation.py starts mixtures in them, and the slow
+    # tests/e2e/test_rl_agentic.py trains this config with them).
+    in_process = dataclasses.replace(config.rollout, isolation=IsolationConfig())
+    check_rollout_data(dataclasses.replace(config, rollout=in_process))

@@ -12,9 +12,11 @@ import json
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from examples.sandbox.environment import build as sandbox
 from fnt.apps.preflight import require_episodes, try_user_code
 from fnt.config import RLConfig, load_config, validate
 from fnt.config.schema import IsolationConfig
@@ -28,6 +30,8 @@ from .pooled_env import Misbehaving
 from .test_environments import episodes_of
 from .test_pooled import RECORDS, program
 from .test_served import serve  # noqa: F401 - the fixture: a local server in a thread
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def config_of(tmp_path, text: str) -> RLConfig:
@@ -57,32 +61,43 @@ def built():
                 member.close()
 
 
-def test_a_config_alone_runs_the_environment_in_workers_and_a_crash_costs_its_episode(
-    tmp_path, tokenizer, built
-):
-    config = config_of(
-        tmp_path,
-        """
-        [rollout]
-        environment = "tests.fnt.rollout.pooled_env:build"
-        prompts = "examples/sandbox/prompts.jsonl"
+@pytest.fixture(scope="module")
+def sandbox_pool():
+    """The pool examples/sandbox/rl.toml's config alone builds (2 workers, 10 s, 1 GiB)."""
+    config, _ = load_config(["--config", str(ROOT / "examples/sandbox/rl.toml")], RLConfig)
+    validate(config, 1)
+    environment, _ = environment_of(config.rollout)
+    yield config, environment
+    environment.close()
 
-        [rollout.isolation]
-        workers = 2
-        timeout_s = 30
-        failure_reward = -1.0
-        """,
-    )
-    environment, _ = built(config.rollout)
+
+def test_the_sandbox_examples_config_runs_it_in_two_limited_workers(sandbox_pool):
+    config, environment = sandbox_pool
     assert isinstance(environment, PooledEnvironment)
-    assert len(environment.workers) == 2 and environment.failure_reward == -1.0
-    texts = [("good", "crash"), "good"]
-    samples = episodes_of(environment, tokenizer, texts, RECORDS[:1])[1]
+    limits = (len(environment.workers), environment.timeout_s, environment.memory_mb)
+    assert limits == (2, 10.0, 1024)
+    messages = [{"role": "assistant", "text": program("print(sum(range(1, 101)))")}]
+    assert environment.score({"answer": "5050"}, messages) == 1.0
+    # Without the workers, the example refuses to run model-written code in the trainer.
+    in_process = dataclasses.replace(config.rollout, isolation=IsolationConfig())
+    with pytest.raises(UserCodeError, match=r"runs model-written code: run it in worker"):
+        environment_of(in_process)
+
+
+def test_a_config_alone_runs_the_environment_in_workers_and_a_crash_costs_its_episode(
+    tokenizer, sandbox_pool
+):
+    _, environment = sandbox_pool
+    failures = environment.failures
+    texts = [(program("print(6 * 7)"), program("import os\nos._exit(1)"))]
+    samples = episodes_of(environment, tokenizer, texts, RECORDS[:1], group_size=2)[1]
     assert [s.env_failed for s in samples] == [False, True]
-    assert [s.reward for s in samples] == [1.0, -1.0]
+    assert [s.reward for s in samples] == [1.0, 0.0]
     assert episode_metrics(episode_sums(samples))["rollout/env_failures"] == 1.0
-    # The crashed worker was replaced: the next episodes run.
-    again = episodes_of(environment, tokenizer, [("good", "good")], RECORDS[:1])[1]
+    assert environment.failures == failures + 1
+    # The crashed worker was replaced: the next episodes run in both workers.
+    texts = [(program("print(4)"),)]
+    again = episodes_of(environment, tokenizer, texts, RECORDS[1:], group_size=2)[1]
     assert [s.reward for s in again] == [1.0, 1.0]
 
 
@@ -140,31 +155,31 @@ def test_a_mixtures_members_run_in_workers_alike(tmp_path, built):
     mixture, _ = built(config.rollout)
     assert isinstance(mixture, MixtureEnvironment)
     assert [type(m).__name__ for m in mixture.members.values()] == ["PooledEnvironment"] * 2
-    assert mixture.failure_reward == -1.0  # what a member's failed episode is worth
+    # What a member's failed episode is worth (the episodes ask the mixture).
+    assert mixture.failure_reward == -1.0
+    assert [m.failure_reward for m in mixture.members.values()] == [-1.0, -1.0]
     record = {"environment": "code", "record": RECORDS[0]}
     messages = [{"role": "assistant", "text": program("print(6 * 7)")}]
     assert mixture.score(record, messages) == 1.0
 
 
-def test_the_pool_answers_calls_from_several_threads_each_its_own():
-    pool = PooledEnvironment("examples.sandbox.environment:build", None, workers=2)
-    try:
-        # The odd cases' answers are wrong, so a call given another's answer scores wrong.
-        cases = [(n, {"answer": str(n * n + n % 2)}) for n in range(12)]
-        barrier = threading.Barrier(4)
+def test_the_pool_answers_calls_from_several_threads_each_its_own(sandbox_pool):
+    _, pool = sandbox_pool
+    failures = pool.failures
+    # The odd cases' answers are wrong, so a call given another's answer scores wrong.
+    cases = [(n, {"answer": str(n * n + n % 2)}) for n in range(12)]
+    barrier = threading.Barrier(4)
 
-        def score(case):
-            n, record = case
-            if n < 4:
-                barrier.wait()  # four calls at once, more than the pool has workers
-            return pool.score(record, [{"role": "assistant", "text": program(f"print({n}*{n})")}])
+    def score(case):
+        n, record = case
+        if n < 4:
+            barrier.wait()  # four calls at once, more than the pool has workers
+        return pool.score(record, [{"role": "assistant", "text": program(f"print({n}*{n})")}])
 
-        with ThreadPoolExecutor(4) as threads:
-            scores = list(threads.map(score, cases))
-    finally:
-        pool.close()
+    with ThreadPoolExecutor(4) as threads:
+        scores = list(threads.map(score, cases))
     assert scores == [1.0, 0.0] * 6
-    assert pool.failures == 0
+    assert pool.failures == failures
 
 
 def test_start_up_tries_a_served_environment_on_the_first_prompt(tmp_path, serve):  # noqa: F811
@@ -200,7 +215,7 @@ def test_a_factory_that_raises_in_its_workers_is_one_user_code_error(tmp_path):
         tmp_path,
         """
         [rollout]
-        environment = "tests.fnt.rollout.test_isolation:broken_factory"
+        environment = "tests.fnt.rollout.broken_factory:build"
         prompts = "examples/sandbox/prompts.jsonl"
         [rollout.isolation]
         workers = 1
@@ -208,10 +223,6 @@ def test_a_factory_that_raises_in_its_workers_is_one_user_code_error(tmp_path):
     ).rollout
     with pytest.raises(UserCodeError, match=r"did not start in its worker processes.*no sandbox"):
         environment_of(rollout)
-
-
-def broken_factory(rollout):
-    raise RuntimeError("no sandbox today")
 
 
 SANDBOX = """
@@ -311,16 +322,30 @@ def test_a_wrong_isolation_setting_is_one_config_error_naming_its_key(tmp_path, 
     assert "\n" not in str(raised.value)
 
 
-def test_the_sandbox_examples_config_runs_it_in_two_limited_workers(built):
-    config, _ = load_config(["--config", "examples/sandbox/rl.toml"], RLConfig)
-    validate(config, 1)
-    environment, _ = built(config.rollout)
-    assert isinstance(environment, PooledEnvironment)
-    limits = (len(environment.workers), environment.timeout_s, environment.memory_mb)
-    assert limits == (2, 10.0, 1024)
-    messages = [{"role": "assistant", "text": program("print(sum(range(1, 101)))")}]
-    assert environment.score({"answer": "5050"}, messages) == 1.0
-    # Without the workers, the example refuses to run model-written code in the trainer.
-    in_process = dataclasses.replace(config.rollout, isolation=IsolationConfig())
-    with pytest.raises(UserCodeError, match=r"runs model-written code: run it in worker"):
-        environment_of(in_process)
+def test_a_mixture_member_may_be_a_server(tmp_path, serve):  # noqa: F811
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    url = serve(sandbox(None))
+    config = config_of(
+        tmp_path,
+        f"""
+        [[rollout.environments]]
+        name = "remote"
+        environment = "{url}"
+        prompts = "{prompts}"
+
+        [[rollout.environments]]
+        name = "local"
+        environment = "examples.reverse_text.environments:feedback"
+        prompts = "examples/debug/prompts.jsonl"
+
+        [rollout.isolation]
+        failure_reward = -1.0
+        """,
+    )
+    mixture, _ = environment_of(config.rollout)
+    remote, local = mixture.members.values()
+    assert isinstance(remote, ServedEnvironment) and not isinstance(local, ServedEnvironment)
+    assert mixture.failure_reward == remote.failure_reward == -1.0
+    record = {"environment": "remote", "record": RECORDS[0]}
+    assert mixture.score(record, [{"role": "assistant", "text": program("print(42)")}]) == 1.0
