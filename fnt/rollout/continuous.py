@@ -7,15 +7,15 @@ The in-process engine runs the episodes of a step with it (rollout.lockstep = fa
 fnt.rollout.environments.episodes): an episode whose environment has answered asks for its
 next turn, and that turn decodes beside the other episodes' turns from the next token on.
 
-Every `step` is one forward pass and one sampled token per row. A row's last sampled token is
-read by the next step's forward pass, so between steps every row has a token the model has not
-read. When requests are waiting, that forward pass also reads them: the batch is rebuilt from
-each running row's KV cache (its real tokens, the padding taken out) and each new request's
-(`RowCache`, a Completion's cache from an earlier call, or none), all left-padded to the longest
-(fnt.rollout.sampling.cached_prefix), with each row's unread tokens after it; a request of n
-samples is read once and its rows repeated n times. Otherwise the forward pass reads the one
-token of every row. A row that stops (a stop token, or its max_new_tokens) leaves the batch as
-a Completion, with its cache when the batch keeps caches.
+Every `step` samples one token per row. A row's last sampled token is read by the next step's
+forward pass, so between steps every row has a token the model has not read: a step's first
+forward pass reads the one token of every running row. When requests are waiting, a second
+forward pass reads them alone (each after its `RowCache`, a Completion's cache from an earlier
+call, or from its start; left-padded to the longest, fnt.rollout.sampling.cached_prefix; a
+request of n samples is read once and its rows repeated n times), and their KV caches join the
+batch's, both left-padded to the wider (the running rows are not read again). A row that stops
+(a stop token, or its max_new_tokens) leaves the batch as a Completion, with its cache when the
+batch keeps caches.
 
 Sampling is what fnt.rollout.sampling.generate does, row by row: the rows of one request draw
 from its generator, in one call, the exponential race's noise of those of them still running,
@@ -26,10 +26,10 @@ cannot be cut out of the batch.
 
 Which rows share a forward pass depends on when requests arrive, and so on time (an
 environment's latency), and those last float bits with it. What a run records must not: the
-engine records each episode's logprobs from one forward pass of the episode alone
-(`logprobs_alone`), the same whatever was batched beside it, so a resumed run trains on exactly
-the numbers the uninterrupted one did (the sampled tokens could differ only where two candidates
-tie to those last bits).
+engine records the logprobs of a step's episodes from forward passes made after the last turn
+(`recorded_logprobs`), in batches that the episodes alone decide (in their order, up to a token
+budget), never the timing, so a resumed run trains on exactly the numbers the uninterrupted one
+did (the sampled tokens could differ only where two candidates tie to those last bits).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fnt.model.attention import decoding_attention
@@ -134,14 +135,16 @@ class ContinuousBatch:
 
     @torch.no_grad()
     def step(self) -> list[tuple[Hashable, Completion]]:
-        """One forward pass and one token of every row; the rows that finished, as (key,
+        """One token of every row (module docstring); the rows that finished, as (key,
         completion), in row order. Nothing when no row decodes and no request waits."""
+        parts = []
+        if self.rows:
+            parts.append(self._read_last_tokens())
         if self.waiting:
-            logits = self._read_waiting()
-        elif self.rows:
-            logits = self._read_last_tokens()
-        else:
+            parts.append(self._read_waiting())
+        if not parts:
             return []
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
         chosen = self._race(logp)
         chosen_logp = logp.gather(-1, chosen[:, None]).squeeze(-1)
@@ -209,22 +212,13 @@ class ContinuousBatch:
         return logits
 
     def _read_waiting(self) -> Tensor:
-        """The forward pass that rebuilds the batch: the running rows (their caches and last
-        tokens) and then the waiting requests, each read once and repeated per sample."""
-        caches: list[Optional[RowCache]] = []
-        news: list[Sequence[int]] = []
-        for b, row in enumerate(self.rows):
-            keys, values = row_cache(self.kv_cache, b, self.attention[b])
-            caches.append(RowCache(row.context + tuple(row.tokens[:-1]), keys, values))
-            news.append([row.tokens[-1]])
-        repeats = [1] * len(self.rows)
+        """The forward pass of the waiting requests alone, each read once and repeated per
+        sample; their rows join the batch after the running ones (`_join`)."""
+        caches = [request.cache for request in self.waiting]
+        news = [r.context[0 if r.cache is None else len(r.cache.token_ids) :] for r in self.waiting]
+        repeats = [len(request.keys) for request in self.waiting]
         generators = {id(g): i for i, g in enumerate(self.generators)}
         for request in self.waiting:
-            caches.append(request.cache)
-            news.append(
-                request.context[0 if request.cache is None else len(request.cache.token_ids) :]
-            )
-            repeats.append(len(request.keys))
             if id(request.generator) not in generators:
                 generators[id(request.generator)] = len(self.generators)
                 self.generators.append(request.generator)
@@ -249,22 +243,96 @@ class ContinuousBatch:
             torch.tensor(repeats, device=self.device),
         )
         kv_cache.batch_select_indices(index)
-        self.kv_cache = kv_cache
-        self.attention = attention[index]
-        self.next_position = positions[index, -1:] + 1
+        self._join(kv_cache, attention[index], positions[index, -1:] + 1)
         return logits[index]
+
+    def _join(self, kv_cache, attention: Tensor, next_position: Tensor) -> None:
+        """The new rows' cache, attention mask and next positions after the running rows':
+        both sides left-padded to the wider, then the columns no row attends to cut off."""
+        if self.kv_cache is None:
+            self.kv_cache, self.attention, self.next_position = kv_cache, attention, next_position
+            return
+        from transformers import DynamicCache
+
+        width = max(self.attention.shape[1], attention.shape[1])
+
+        def padded(t: Tensor) -> Tensor:  # [B, W] masks or [B, heads, W, dim] keys and values
+            missing = width - (t.shape[1] if t.dim() == 2 else t.shape[2])
+            return F.pad(t, (missing, 0) if t.dim() == 2 else (0, 0, missing, 0))
+
+        both = torch.cat([padded(self.attention), padded(attention)])
+        start = int(both.any(dim=0).int().argmax())  # the first column a row attends to
+        joined = DynamicCache(config=self.model.config)
+        for i, (old, new) in enumerate(zip(self.kv_cache.layers, kv_cache.layers)):
+            keys = torch.cat([padded(old.keys), padded(new.keys)])[:, :, start:]
+            values = torch.cat([padded(old.values), padded(new.values)])[:, :, start:]
+            joined.update(keys, values, i)
+        self.kv_cache, self.attention = joined, both[:, start:]
+        self.next_position = torch.cat([self.next_position, next_position])
+
+
+RECORDING_TOKENS = 16384
+"""Tokens (sequences x the longest of them) that `recorded_logprobs` reads in one forward pass."""
 
 
 @torch.no_grad()
-def logprobs_alone(
-    model: nn.Module, token_ids: Sequence[int], positions: Sequence[int], temperature: float
-) -> list[float]:
-    """log-softmax(logits / temperature) of the tokens at `positions` (each > 0) of
-    `token_ids`, in float32, from one forward pass of the sequence alone (module docstring)."""
+def recorded_logprobs(
+    model: nn.Module,
+    sequences: Sequence[tuple[Sequence[int], Sequence[bool]]],
+    temperature: float,
+    chunk: int = 1024,
+) -> list[list[float]]:
+    """Per (token ids, sampled) sequence, log-softmax(logits / temperature) in float32 of each
+    sampled token (none may be the first), in order. The sequences are read in consecutive
+    batches of at most RECORDING_TOKENS padded tokens, right-padded, and the LM head is
+    computed at the sampled positions only, `chunk` at a time (fnt.model.lm_head)."""
+    from fnt.model.lm_head import LossTokens, chunked_head, logprobs_of
+
     device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids)], dtype=torch.int64, device=device)
-    before = torch.tensor([p - 1 for p in positions], dtype=torch.int64, device=device)
-    with eager_layers(), decoding_attention(model):
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=before).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
-    return logp.gather(-1, ids[0, before + 1][:, None]).squeeze(-1).tolist()
+    out: list[list[float]] = []
+    start = 0
+    while start < len(sequences):
+        end, longest = start, 0
+        while end < len(sequences):
+            longest_with = max(longest, len(sequences[end][0]))
+            if end > start and (end + 1 - start) * longest_with > RECORDING_TOKENS:
+                break
+            end, longest = end + 1, longest_with
+        batch = sequences[start:end]
+        ids = torch.zeros((len(batch), longest), dtype=torch.int64)
+        sampled = torch.zeros((len(batch), longest), dtype=torch.bool)
+        for row, (token_ids, mask) in enumerate(batch):
+            if len(mask) != len(token_ids):
+                raise ValueError(f"{len(mask)} sampled flags for {len(token_ids)} tokens")
+            ids[row, : len(token_ids)] = torch.tensor(list(token_ids), dtype=torch.int64)
+            sampled[row, : len(mask)] = torch.tensor(list(mask), dtype=torch.bool)
+        if sampled[:, 0].any():
+            raise ValueError("a sequence's first token cannot be sampled: nothing predicts it")
+        attention = (
+            torch.arange(longest)[None, :] < torch.tensor([len(t) for t, _ in batch])[:, None]
+        )
+        predicting = sampled[:, 1:]
+        index = predicting.flatten().nonzero().squeeze(-1)
+        rows, cols = index // (longest - 1), index % (longest - 1)
+        tokens = LossTokens(
+            mask=predicting.to(device),
+            index=(rows * longest + cols).to(device),
+            targets=ids[rows, cols + 1].to(device),
+            temperatures=None
+            if temperature == 1.0
+            else torch.full((len(index),), temperature, dtype=torch.float32, device=device),
+            entropy=False,
+        )
+        with eager_layers(), decoding_attention(model), chunked_head(model, tokens, chunk):
+            stats = model(
+                input_ids=ids.to(device),
+                attention_mask=attention.long().to(device),
+                use_cache=False,
+            ).logits
+        logp = logprobs_of(stats, tokens).logp.tolist()
+        counts = predicting.sum(dim=1).tolist()
+        for n in counts:
+            out.append(logp[:n])
+            logp = logp[n:]
+        start = end
+    return out

@@ -55,7 +55,7 @@ from fnt.rollout.base import (
     has_signal,
     rollout_policy_step,
 )
-from fnt.rollout.continuous import ContinuousBatch, Request, logprobs_alone, supports
+from fnt.rollout.continuous import ContinuousBatch, Request, recorded_logprobs, supports
 from fnt.rollout.pack import RolloutSample
 from fnt.rollout.prompts import step_prompts
 from fnt.rollout.sampling import Completion, RowCache, generate, sampling_seed, turn_seed
@@ -212,24 +212,24 @@ class ModelStream:
         return True
 
     def settle_(self, episodes) -> None:
-        """Each episode's recorded logprobs from one forward pass of each of its samples alone
-        (fnt.rollout.continuous.logprobs_alone): which turns shared a decoding batch depends on
-        timing, and the last float bits of their logprobs with it."""
+        """Each episode's recorded logprobs from forward passes of the finished episodes
+        (fnt.rollout.continuous.recorded_logprobs): which turns shared a decoding batch depends
+        on timing, and the last float bits of their logprobs with it."""
         temperature = self.turns.engine.config.rollout.temperature
-        for episode in (e for group in episodes for e in group):
-            branches = []
-            for branch in episode.branches():
-                positions = [i for i, sampled in enumerate(branch.sampled) if sampled]
-                logprobs = list(branch.logprobs)
-                if positions:
-                    alone = logprobs_alone(
-                        self.turns.model, branch.token_ids, positions, temperature
-                    )
-                    for i, lp in zip(positions, alone):
-                        logprobs[i] = lp
-                branches.append(dataclasses.replace(branch, logprobs=tuple(logprobs)))
-            episode.closed = branches[:-1]
-            episode.logprobs = list(branches[-1].logprobs)
+        flat = [e for group in episodes for e in group]
+        branches = [e.branches() for e in flat]
+        sequences = [(b.token_ids, b.sampled) for bs in branches for b in bs]
+        recorded = iter(recorded_logprobs(self.turns.model, sequences, temperature))
+        for episode, own in zip(flat, branches):
+            settled = []
+            for branch in own:
+                logprobs, values = list(branch.logprobs), iter(next(recorded))
+                for i, sampled in enumerate(branch.sampled):
+                    if sampled:
+                        logprobs[i] = next(values)
+                settled.append(dataclasses.replace(branch, logprobs=tuple(logprobs)))
+            episode.closed = settled[:-1]
+            episode.logprobs = list(settled[-1].logprobs)
 
 
 class InProcessEngine(PromptRollouts):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fnt.errors import UserCodeError
-from fnt.rollout.continuous import logprobs_alone
+from fnt.rollout.continuous import recorded_logprobs
 from fnt.rollout.engines import in_process
 from tests.fnt.rollout.conftest import rl_config, rl_state
 from tests.fnt.rollout.test_engine import check_logprobs_match
@@ -108,28 +108,42 @@ def test_an_environment_that_raises_stops_the_rollout_with_its_message(
         state.handles.rollouts.rollout(state)
 
 
-def test_recorded_logprobs_are_each_samples_own_forward_pass(policy_dir, prompts_file):
+def test_recorded_logprobs_come_from_the_finished_episodes(policy_dir, prompts_file):
     """Which turns shared a decoding batch depends on timing; the recorded logprobs do not:
-    they are exactly those of a forward pass of each sample alone."""
+    they are exactly those of forward passes of the step's finished samples, which equal a
+    forward pass of each sample alone up to float rounding."""
     state = multi_turn_state(policy_dir, prompts_file, "latency_env:jittery")
     engine = state.handles.rollouts
     engine.sync_weights_(state.handles.model)
     samples, _, _ = engine.sample(engine.model, 1, state.progress.data, 0)
     assert any(s.turns > 1 for s in samples)
-    for sample in samples:
-        positions = [i for i, sampled in enumerate(sample.sampled) if sampled]
-        alone = logprobs_alone(engine.model, sample.token_ids, positions, 0.7)
-        assert [sample.logprobs[i] for i in positions] == alone
+    sequences = [(s.token_ids, s.sampled) for s in samples]
+    recorded = recorded_logprobs(engine.model, sequences, 0.7)
+    for sample, values in zip(samples, recorded, strict=True):
+        assert [lp for lp, sampled in zip(sample.logprobs, sample.sampled) if sampled] == values
+        (alone,) = recorded_logprobs(engine.model, [(sample.token_ids, sample.sampled)], 0.7)
+        torch.testing.assert_close(torch.tensor(values), torch.tensor(alone), rtol=0, atol=1e-5)
 
 
-def test_an_episode_that_ends_is_scored_while_the_others_run(policy_dir, prompts_file):
-    for lockstep in (False, True):
-        state = multi_turn_state(
-            policy_dir, prompts_file, "latency_env:slow_scores", lockstep=lockstep
-        )
-        state.handles.rollouts.rollout(state)
-        environment = state.handles.rollouts.environment
-        last_answer = max(end for _, _, end, _ in environment.calls)
-        first_score = min(start for start, _ in environment.scores)
-        assert len(environment.scores) == 16
-        assert (first_score < last_answer) != lockstep
+def test_recorded_logprobs_are_read_in_batches_of_a_token_budget(
+    policy_dir, prompts_file, monkeypatch
+):
+    from fnt.rollout import continuous
+
+    state = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    engine = state.handles.rollouts
+    sequences = [(tuple(range(1, 12 + n)), (False,) * 10 + (True,) * (1 + n)) for n in range(5)]
+    whole = recorded_logprobs(engine.model, sequences, 1.0)
+    monkeypatch.setattr(continuous, "RECORDING_TOKENS", 30)  # 2 of them at most a pass
+    widths = []
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    parts = recorded_logprobs(engine.model, sequences, 1.0)
+    assert widths == [(2, 12), (2, 14), (1, 15)]
+    assert [len(v) for v in parts] == [1, 2, 3, 4, 5]
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="first token cannot be sampled"):
+        recorded_logprobs(engine.model, [((1, 2), (True, True))], 1.0)
