@@ -71,6 +71,7 @@ def check_long_tail(result: dict) -> None:
         assert result[name] == pytest.approx(expected), name
 
 
+@pytest.mark.slow
 def test_the_long_tail_comparison_runs_end_to_end_and_prints_its_json_last(tmp_path):
     """At the demo's base model (no SFT first: its turns run to max_new_tokens, so episodes are
     short), one measured step of each schedule."""

@@ -50,7 +50,17 @@ def wheel(tmp_path_factory) -> Path:
     # Build from a copy without build/ or caches: setuptools would ship stale modules left in
     # build/lib by an earlier build.
     source = tmp_path_factory.mktemp("source") / "fnt"
-    junk = shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__")
+    junk = shutil.ignore_patterns(
+        ".git",
+        ".venv*",
+        ".gpu-wheels",
+        "build",
+        "runs",
+        "*.egg-info",
+        "__pycache__",
+        ".*cache",
+        ".hypothesis",
+    )
     shutil.copytree(REPO, source, ignore=junk)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
