@@ -295,13 +295,14 @@ def respond(episode: Episode, environment: Environment, rules: EpisodeRules) -> 
     in `take_reply_`); EnvironmentFailed passes, what else it raises is a UserCodeError. It may
     run in any thread."""
     what = f"{rules.name} failed to answer turn {episode.turns} on {episode.where(rules)}"
-    return call_user(
-        environment.respond,
-        what,
-        episode.prompt.record,
-        list(episode.messages),
-        passes=(EnvironmentFailed,),
-    )
+    return call_environment(environment.respond, what, episode)
+
+
+def call_environment(method, what: str, episode: Episode) -> Any:
+    """An environment's `method(record, messages)` on the episode's record and conversation so
+    far, through call_user (`what` names it in an error); EnvironmentFailed passes."""
+    record, messages = episode.prompt.record, list(episode.messages)
+    return call_user(method, what, record, messages, passes=(EnvironmentFailed,))
 
 
 def take_reply_(
@@ -523,13 +524,7 @@ def score_episode(episode: Episode, environment: Environment, rules: EpisodeRule
     last = episode.messages[-1].get("content") if episode.messages else None
     what = f"{rules.name} failed on {where} (episode {episode.index}, last turn {shown(last)})"
     try:
-        value = call_user(
-            environment.score,
-            what,
-            episode.prompt.record,
-            list(episode.messages),
-            passes=(EnvironmentFailed,),
-        )
+        value = call_environment(environment.score, what, episode)
     except EnvironmentFailed:
         episode.env_failed = True
         return Scored(failure_reward(environment))
@@ -570,13 +565,7 @@ def score_turns(episode: Episode, environment: Environment, rules: EpisodeRules)
     where = episode.where(rules)
     what = f"{rules.name} (its score_turns) failed on {where} (episode {episode.index})"
     try:
-        value = call_user(
-            environment.score_turns,
-            what,
-            episode.prompt.record,
-            list(episode.messages),
-            passes=(EnvironmentFailed,),
-        )
+        value = call_environment(environment.score_turns, what, episode)
     except EnvironmentFailed:
         episode.env_failed = True
         return [0.0] * episode.turns
