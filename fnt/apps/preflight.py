@@ -38,6 +38,7 @@ from fnt.errors import CheckpointError, ConfigError, DataError, UserCodeError, n
 from fnt.resume import resolve_resume_step
 from fnt.rollout.rewards import require_reward
 from fnt.store.jsonl import jsonl_records
+from fnt.store.source_files import directory_files, glob_files
 from fnt.store.paths import (
     EXPORT,
     PathLike,
@@ -242,17 +243,20 @@ def check_first_records(
     config: Config, sources: list[tuple[str, DataSourceConfig]], parse: Callable
 ) -> None:
     """The first record of each JSONL source of `sources` (key, source) parses with
-    `parse(record, source)`, and the other local sources exist. Every file is read before
-    `parse` imports the module with its record rules (that costs torch)."""
-    kinds = [source_kind(source) for _, source in sources]
-    firsts = [
-        (first_record(source.path, f"{key}.path"), source)
-        for (key, source), kind in zip(sources, kinds)
-        if kind == "jsonl"
-    ]
-    for (key, source), kind in zip(sources, kinds):
-        if kind in ("parquet", "arrow", "directory"):
-            require_path(source.path, f"{key}.path")
+    `parse(record, source)`, the other local files exist, and directories and glob patterns
+    name files. Every file is read before `parse` imports the
+    module with its record rules (that costs torch)."""
+    firsts = []
+    for key, source in sources:
+        kind, at = source_kind(source), f"{key}.path"
+        if kind == "jsonl":
+            firsts.append((first_record(source.path, at), source))
+        elif kind in ("parquet", "arrow"):
+            require_path(source.path, at)
+        elif kind == "directory":
+            directory_files(source.path, named(at, source.path))
+        elif kind == "glob":
+            glob_files(source.path, named(at, source.path))
     for first, source in firsts:
         check_record(first, lambda r, s=source: parse(r, s))
 
@@ -376,7 +380,7 @@ def require_tokenizer_files(name: str, needed_by: str, key: str = "model.name") 
 
 
 def require_path(path: str, key: str) -> None:
-    """DataError unless `path` exists (a columnar file or a directory, read later)."""
+    """DataError unless `path` exists (a columnar file, read later)."""
     if not os.path.exists(path):
         raise DataError(f"'{key}' = {path!r}: no such file or directory")
 

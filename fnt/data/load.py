@@ -27,7 +27,6 @@ prompt/completion, text).
 from __future__ import annotations
 
 import dataclasses
-import glob
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -65,6 +64,7 @@ from fnt.errors import DataError
 from fnt.model.tokenizer import stop_token_ids
 from fnt.obs.console import say, with_progress
 from fnt.store.jsonl import jsonl_records
+from fnt.store.source_files import directory_files, glob_files
 
 ROWS_PER_BATCH = 1024  # columnar rows converted to Python at a time
 
@@ -635,28 +635,6 @@ def jsonl_file_records(path: Path) -> Iterator[tuple[str, object]]:
     """The parsed JSON of every non-blank line, located as `file, line N` (fnt.store.jsonl)."""
     for line_number, record in jsonl_records(path, f"data source {path}"):
         yield f"{path}, line {line_number}", record
-
-
-def directory_files(directory: Path) -> list[Path]:
-    """The directory's parquet and Arrow files in name order; DataError when it has none."""
-    if (directory / "dataset_dict.json").is_file():
-        splits = sorted(p.name for p in directory.iterdir() if p.is_dir())
-        raise DataError(
-            f"{directory} holds a DatasetDict saved with save_to_disk: point the source's path "
-            f"at the directory of one split (one of {splits})"
-        )
-    files = sorted(p for p in directory.iterdir() if p.suffix in COLUMNAR_SUFFIXES and p.is_file())
-    if not files:
-        raise DataError(f"{directory}: the directory has no .parquet or .arrow files")
-    return files
-
-
-def glob_files(pattern: str) -> list[Path]:
-    """The files a glob pattern matches, in name order; DataError when it matches none."""
-    files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
-    if not files:
-        raise DataError(f"{pattern}: the pattern matches no file")
-    return files
 
 
 def columnar_file_records(path: Path) -> Iterator[tuple[str, object]]:
