@@ -112,6 +112,34 @@ def test_the_profile_counts_kernels_and_host_syncs_per_step():
     assert on_cpu["host_syncs_per_step"] == 2  # aten::_local_scalar_dense + aten::nonzero
 
 
+def test_the_peers_fnt_side_falls_back_to_sdpa_once_when_its_settings_fail(monkeypatch):
+    """A new kernel that fails on the lent GPU still leaves fnt's numbers: one more run with
+    FALLBACK_ARGS, the first failure kept in the JSON; a failing fallback is the side's
+    failure."""
+    import scripts.bench_peers as peers
+
+    calls = []
+
+    def run_fnt(spec, timeout):
+        calls.append(spec["fnt_args"])
+        if spec["fnt_args"] != peers.FALLBACK_ARGS or fallback_fails:
+            raise RuntimeError(f"fnt sft exited 1: boom {len(calls)}")
+        return {"step_times": [1.0]}
+
+    monkeypatch.setattr(peers, "run_fnt", run_fnt)
+    fallback_fails = False
+    result: dict = {}
+    asked = ["--model.compile", "true"]
+    assert peers.measure_fnt({"fnt_args": asked}, 10.0, result) == {"step_times": [1.0]}
+    assert calls == [asked, peers.FALLBACK_ARGS]
+    assert result["fnt_failed"] == "with --model.compile true: fnt sft exited 1: boom 1"
+    fallback_fails, result = True, {}
+    with pytest.raises(RuntimeError, match="boom 4"):
+        peers.measure_fnt({"fnt_args": []}, 10.0, result)
+    assert calls[2:] == [[], peers.FALLBACK_ARGS]
+    assert result["fnt_failed"].startswith("with the defaults: ")
+
+
 def run_json(*args: str, timeout: float) -> dict:
     out = subprocess.run(
         [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
@@ -140,6 +168,20 @@ def test_the_peers_benchmark_runs_at_a_tiny_shape(tmp_path):
         assert result["trl"].startswith("not measured") and "fnt_over_trl" not in result
     else:
         assert result["trl"]["step_s"] > 0 and result["fnt_over_trl"] > 0
+
+
+@pytest.mark.slow
+def test_the_peers_fnt_side_measured_with_sdpa_where_the_kernel_asked_for_cannot_run(tmp_path):
+    """On a CPU the varlen kernel cannot run: fnt's side says so and is measured with sdpa."""
+    result = run_json(
+        "scripts/bench_peers.py", "--tiny", "--steps", "2", "--warmup", "1", "--sides", "fnt",
+        "--fnt-args", "--model.attn-implementation varlen", "--work", str(tmp_path), timeout=600,
+    )  # fmt: skip
+    assert "model.attn_implementation" in result["fnt_failed"], result["fnt_failed"]
+    assert result["fnt_failed"].startswith("with --model.attn-implementation varlen: ")
+    assert result["fnt"]["attn_implementation"] == "sdpa" and result["fnt"]["step_s"] > 0
+    assert (tmp_path / "seq256" / "fnt.log").is_file()
+    assert (tmp_path / "seq256" / "fnt-fallback.log").is_file()
 
 
 @pytest.mark.slow
