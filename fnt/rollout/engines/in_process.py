@@ -211,6 +211,9 @@ class ModelStream:
             self.deliver((slot, index, turn), self.turns._keep(completion, slot, index))
         return True
 
+    def end(self, slot: int, index: int) -> None:
+        self.turns.caches.pop((slot, index), None)  # its KV cache, freed while others run
+
     def settle_(self, episodes) -> None:
         """Each episode's recorded logprobs from forward passes of the finished episodes
         (fnt.rollout.continuous.recorded_logprobs): which turns shared a decoding batch depends

@@ -372,6 +372,9 @@ class ServerStream:
     def work(self) -> bool:
         return False  # the requests' threads deliver
 
+    def end(self, slot: int, index: int) -> None:
+        pass  # nothing is kept here between turns (the server caches prefixes itself)
+
     def settle_(self, episodes) -> None:
         pass  # the servers' logprobs are what they sampled from, however they batched
 

@@ -187,6 +187,11 @@ class TurnStream(Protocol):
         threads)."""
         ...
 
+    def end(self, slot: int, index: int) -> None:
+        """Episode `index` of prompt `slot` has ended: let go of what is kept for its next turn
+        (in-process: its KV cache), while the other episodes still run."""
+        ...
+
     def settle_(self, episodes: Sequence[Sequence["Episode"]]) -> None:
         """After the last turn: make what the episodes recorded independent of how their turns
         were batched (in-process: logprobs from each episode alone, fnt.rollout.continuous)."""
@@ -484,6 +489,7 @@ def run_independent(
                         ask(episode, result)
                         in_flight += 1
                     else:
+                        stream.end(slot, index)
                         score_soon(episode, environment, rules, pool)
                     continue
                 try:
@@ -495,6 +501,7 @@ def run_independent(
                     stream.submit(episode.token_ids, turn_limit(episode, rules), key)
                     in_flight += 1
                 else:
+                    stream.end(slot, index)
                     score_soon(episode, environment, rules, pool)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -57,6 +57,34 @@ def test_the_continuous_batch_samples_what_lockstep_samples(policy_dir, prompts_
     same_samples(independent, lockstep.handles.rollouts.rollout(lockstep))
 
 
+def test_an_episode_that_ends_lets_go_of_its_kv_cache_while_others_run(
+    policy_dir, prompts_file, monkeypatch
+):
+    """Each ended episode's kept cache is freed when it ends, not at the end of the step: the
+    caches kept never outnumber the episodes still running, and none is left at the end."""
+    state = multi_turn_state(policy_dir, prompts_file, "multi_turn_env:feedback")
+    streams, excess = [], []
+    ended = set()
+    keep, end = in_process.ModelTurns._keep, in_process.ModelStream.end
+
+    def watched_keep(turns, completion, slot, index):
+        kept = keep(turns, completion, slot, index)
+        excess.extend(k for k in turns.caches if k in ended)  # an ended episode's cache held
+        return kept
+
+    def watched_end(stream, slot, index):
+        streams.append(stream)
+        end(stream, slot, index)
+        ended.add((slot, index))
+        excess.extend(k for k in stream.turns.caches if k in ended)
+
+    monkeypatch.setattr(in_process.ModelTurns, "_keep", watched_keep)
+    monkeypatch.setattr(in_process.ModelStream, "end", watched_end)
+    batch = state.handles.rollouts.rollout(state)
+    assert batch.metrics["rollout/turns/mean"] > 1 and len(ended) == 16
+    assert excess == [] and streams and streams[0].turns.caches == {}
+
+
 def test_an_environment_with_random_latency_gives_the_samples_it_gives_without(
     policy_dir, prompts_file
 ):
