@@ -38,7 +38,6 @@ from fnt.errors import CheckpointError, ConfigError, DataError, UserCodeError, n
 from fnt.resume import resolve_resume_step
 from fnt.rollout.rewards import require_reward
 from fnt.store.jsonl import jsonl_records
-from fnt.store.source_files import directory_files, glob_files
 from fnt.store.paths import (
     EXPORT,
     PathLike,
@@ -47,6 +46,7 @@ from fnt.store.paths import (
     require_run_output_dir,
 )
 from fnt.store.rundir import CONFIG_FILE, META_FILE, ckpt_root, run_entries
+from fnt.store.source_files import directory_files, glob_files
 from fnt.store.transaction import output_marker
 
 # Any one of these is a tokenizer transformers can load without extra packages' guesswork.
