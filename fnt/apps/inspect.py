@@ -82,12 +82,14 @@ KEY_METRICS = (
     "entropy/all/mean",
     "mismatch_kl/all/mean",
     # RL episodes (fnt.rollout.base.episode_metrics): how many, their turns, tool calls and
-    # failed ones per episode, the ones cut by a limit; then each named reward (reward/NAME/mean).
+    # failed ones per episode, the ones cut by a limit, the ones out of turns; then each named
+    # reward (reward/NAME/mean).
     "rollout/episodes",
     "rollout/turns/mean",
     "rollout/tool_calls/mean",
     "rollout/tool_errors/mean",
     "rollout/truncated_episodes",
+    "rollout/max_turns_episodes",
 )
 ABSENT = "<absent>"
 # Where Linux lists the file locks held on this machine (`lock_state`).

@@ -69,8 +69,6 @@ def token_counts(total: int, sampled: int) -> str:
 
 def trajectory_header(where: str, sample) -> str:
     """`== prompt line 3: reward 0.5, advantage 0.71, 2 turns, ...; 40 tokens (...)`. Pure."""
-    from fnt.rollout.environments.episodes import ran_out_of_turns
-
     facts = episode_facts(
         sample.reward,
         sample.advantage,
@@ -78,7 +76,7 @@ def trajectory_header(where: str, sample) -> str:
         tool_calls=sample.tool_calls,
         tool_errors=sample.tool_errors,
         truncated=sample.truncated,
-        out_of_turns=ran_out_of_turns(sample),
+        out_of_turns=sample.out_of_turns,
         named=sample.named_rewards,
     )
     tokens = token_counts(len(sample.token_ids), sum(sample.sampled))

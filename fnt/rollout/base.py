@@ -34,7 +34,6 @@ from fnt.rollout.environments import SingleTurnEnvironment, environment_of
 from fnt.rollout.environments.episodes import (
     EpisodeRules,
     TurnSampler,
-    ran_out_of_turns,
     require_turn_scores,
     run_episodes,
     scored_samples,
@@ -447,7 +446,7 @@ def episode_sums(samples: Sequence[RolloutSample]) -> dict[str, float]:
         "tool_calls": float(sum(s.tool_calls for s in samples)),
         "tool_errors": float(sum(s.tool_errors for s in samples)),
         "truncated": float(sum(s.truncated for s in samples)),
-        "out_of_turns": float(sum(ran_out_of_turns(s) for s in samples)),
+        "out_of_turns": float(sum(s.out_of_turns for s in samples)),
         # An environment's worker crashed or hung (fnt.rollout.environments.pooled).
         "env_failures": float(sum(getattr(s, "env_failed", False) for s in samples)),
         "named": named_sums(pair for s in samples for pair in s.named_rewards),

@@ -16,7 +16,6 @@ from fnt.config import RLConfig
 from fnt.distributed.collectives import all_gather_objects
 from fnt.distributed.runtime import Runtime
 from fnt.obs.metrics import finite_or_none
-from fnt.rollout.environments.episodes import ran_out_of_turns
 from fnt.rollout.pack import RolloutSample
 from fnt.store.samples import is_sample_step, write_step_samples_
 
@@ -49,7 +48,7 @@ def sample_record(sample: RolloutSample, tokenizer: Any) -> dict[str, Any]:
         "completion_tokens": sample.sampled_count,
         "turns": sample.turns,
         "truncated": sample.truncated,
-        "out_of_turns": ran_out_of_turns(sample),
+        "out_of_turns": sample.out_of_turns,
         "policy_step": sample.policy_step,
     }
     if sample.environment:  # a mixture's (rollout.environments): which member ran it

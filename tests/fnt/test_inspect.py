@@ -251,6 +251,7 @@ def test_inspect_shows_a_multi_turn_runs_episodes_and_named_rewards(tmp_path, ca
         "rollout/tool_calls/mean": 1.5,
         "rollout/tool_errors/mean": 0.25,
         "rollout/truncated_episodes": 1.0,
+        "rollout/max_turns_episodes": 2.0,
         "reward/final/mean": 0.5,
         "reward/first/mean": 0.25,
         "reward/std": 0.1,  # not a named reward
@@ -266,6 +267,7 @@ def test_inspect_shows_a_multi_turn_runs_episodes_and_named_rewards(tmp_path, ca
         "rollout/tool_calls/mean",
         "rollout/tool_errors/mean",
         "rollout/truncated_episodes",
+        "rollout/max_turns_episodes",
         "reward/final/mean",
         "reward/first/mean",
     ]

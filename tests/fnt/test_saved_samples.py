@@ -166,3 +166,7 @@ def test_the_wandb_table_has_a_row_per_sample_and_a_column_per_named_reward():
     assert columns == [*SAMPLE_COLUMNS, "reward/format"]
     assert data[0][:6] == [1, 0, 0, "p0", "c0", 1.0] and data[0][-1] is None
     assert data[1][SAMPLE_COLUMNS.index("completion")] == "c1" and data[1][-1] == 0.5
+    assert "out_of_turns" in SAMPLE_COLUMNS  # a column, beside truncated, for each row
+    rows[0]["out_of_turns"] = True
+    _, data = samples_table(fake, rows)
+    assert [row[SAMPLE_COLUMNS.index("out_of_turns")] for row in data] == [True, None]

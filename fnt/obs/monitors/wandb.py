@@ -290,6 +290,7 @@ SAMPLE_COLUMNS = (
     "completion_tokens",
     "turns",
     "truncated",
+    "out_of_turns",
     "policy_step",
 )
 """The columns of a step's W&B samples table, then `reward/{name}` per named reward."""

@@ -113,23 +113,15 @@ class EpisodeRules:
 
 @dataclass(frozen=True)
 class EpisodeSample(RolloutSample):
-    """A scored episode: its RolloutSample (fnt.rollout.pack) and whether it ran out of turns,
-    an outcome of its own beside `truncated` (module docstring)."""
+    """A scored episode: its RolloutSample (fnt.rollout.pack, which says whether it ran out of
+    turns, an outcome of its own beside `truncated`) and what only an episode runner knows."""
 
-    out_of_turns: bool = False
-    """The environment answered the last turn rollout.max_turns allows; not truncation."""
     turn_rewards: tuple[float, ...] = ()
     """rollout.credit = "turn": the reward of each model turn, before the score is added to
     the last one's; () under episode credit."""
     env_failed: bool = False
     """The environment failed on the episode (EnvironmentFailed): it ended and is worth the
     environment's failure_reward."""
-
-
-def ran_out_of_turns(sample: RolloutSample) -> bool:
-    """Whether the sample's episode ran out of turns (`EpisodeSample`); False for a sample that
-    no episode runner made (an external orchestrator's). Pure."""
-    return bool(getattr(sample, "out_of_turns", False))
 
 
 class TurnSampler(Protocol):

@@ -23,7 +23,6 @@ from fnt.rollout.environments import (
 )
 from fnt.rollout.environments.episodes import (
     EpisodeRules,
-    ran_out_of_turns,
     run_episodes,
     scored_samples,
 )
@@ -205,7 +204,7 @@ def test_an_episode_out_of_turns_is_not_truncated_and_on_truncated_leaves_it_alo
     assert out.out_of_turns and out.turns == 2 and not out.truncated
     assert not answered.out_of_turns and not answered.truncated and answered.turns == 1
     assert dropped == 0 and [s.truncated for s in samples] == [False, False]
-    assert [ran_out_of_turns(s) for s in samples] == [True, False]
+    assert [s.out_of_turns for s in samples] == [True, False]
     assert [s.reward for s in samples] == [0.6, 1.0]
     assert samples[0].advantage < 0 < samples[1].advantage
     # A trajectory ends with its last sampled token: the unanswered reply is not in it.
@@ -237,7 +236,7 @@ def test_a_turn_cut_by_max_new_tokens_is_truncated_and_follows_on_truncated(toke
         assert dropped == 1 and len(samples) == 1 and samples[0].advantage == 0.0
         return
     assert dropped == 0 and [s.truncated for s in samples] == [True, False]
-    assert not any(ran_out_of_turns(s) for s in samples)
+    assert not any(s.out_of_turns for s in samples)
     assert (samples[0].reward > 0) == (policy == "score")  # its cut turn, or 0
     metrics = episode_metrics(episode_sums(samples))
     assert metrics["rollout/truncated_fraction"] == 0.5
