@@ -222,11 +222,8 @@ def load_eval_data(config: Config) -> Optional[Any]:
         )
     prompts: tuple[Prompt, ...] = ()
     reward_fn = None
-    if val.prompts:
-        if not mode_of(config).rollouts:
-            raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
-        prompts = load_prompts(val.prompts, tokenizer)
-        reward_fn = reward_function(config.rollout.reward)
+    if val.prompts and not mode_of(config).rollouts:
+        raise ConfigError("'val.prompts' is set, but greedy answers are scored by an RL run")
     environment, environment_name = None, ""
     rules, whole_episodes = None, False
     if held_out:
@@ -238,7 +235,10 @@ def load_eval_data(config: Config) -> Optional[Any]:
     elif val.prompts:
         where = f"val.prompts ({val.prompts})"
         run_environment, run_name = environment_of(config.rollout)
-        if not isinstance(run_environment, SingleTurnEnvironment):
+        if isinstance(run_environment, SingleTurnEnvironment):
+            prompts = load_prompts(val.prompts, tokenizer)
+            reward_fn = reward_function(config.rollout.reward)
+        else:
             # The run's environment opens and scores the held-out episodes, as in training.
             environment, environment_name = run_environment, run_name
             prompts = load_prompts(val.prompts, tokenizer, environment.start)

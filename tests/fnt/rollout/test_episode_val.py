@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fnt import fold, rl_source
 from fnt.config import ValConfig
 from fnt.evaluation import Evaluation
-from fnt.evaluation.held_out import PASS_REWARD, val_seed
+from fnt.evaluation.held_out import PASS_REWARD, load_eval_data, val_seed
 from fnt.model.tokenizer import stop_token_ids
 from fnt.obs.metrics import to_floats
 from fnt.rollout.environments.episodes import EpisodeRules, run_episodes
@@ -141,6 +141,18 @@ def test_held_out_episodes_run_to_their_end_greedy_and_sampled(
     assert len({r for group in rewards for r in group}) > 1  # the samples differ
     if factory == "lenient_feedback":  # some prompts pass, others do not
         assert 0 < start[f"val/start/reward/pass@{K}"] < 1
+
+
+def test_an_environment_run_without_a_reward_validates_with_its_environment(
+    policy_dir, prompts_file, val_prompts
+):
+    """val.prompts in a run whose environment scores (rollout.reward left empty): the
+    environment opens and scores the held-out episodes; no reward is looked up."""
+    config = val_config(policy_dir, prompts_file, val_prompts)
+    config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, reward=""))
+    data = load_eval_data(config)
+    assert data.reward_fn is None and data.environment_name.startswith("environment ")
+    assert len(data.prompts) == 6 and data.whole_episodes
 
 
 def test_one_turn_runs_keep_the_one_turn_score(policy_dir, prompts_file, val_prompts):
