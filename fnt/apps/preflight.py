@@ -138,16 +138,12 @@ def trial_run(rollout: RolloutConfig, record: object, where: str) -> None:
     names it): rollout.environment's factory (or the single-turn environment of
     rollout.reward), the environment's `start(record)` and its `score` of the first messages
     followed by a trial completion (`trial_completion`). UserCodeError for a raise or a wrong
-    return; a reward's NaN passes (rollout.on_bad_reward decides about it in the run)."""
+    return; a reward's NaN passes (rollout.on_bad_reward decides about it in the run). A pool
+    of workers (rollout.isolation) stays open: the run's engine and evaluation use it."""
     from fnt.rollout.environments import environment_of
 
     environment, name = environment_of(rollout)
-    try:
-        trial_calls(environment, name, record, where)
-    finally:
-        close = getattr(environment, "close", None)
-        if callable(close):  # a pool of workers (rollout.isolation): the run starts its own
-            close()
+    trial_calls(environment, name, record, where)
 
 
 def trial_calls(environment: object, name: str, record: object, where: str) -> None:

@@ -13,7 +13,9 @@ factory(rollout_config) that returns the environment; empty is the single-turn e
 with rollout.reward; a built-in integration's prefix ("reasoning_gym:TASK") and a server's URL
 ("http://HOST:PORT", served.py) are built by their entry of fnt.config.environments (`fnt rl
 --list-environments`). rollout.isolation.workers > 0 builds the environment in worker
-processes instead (pooled.py), which start when it is built.
+processes instead (pooled.py), which start when it is first built: a process keeps its pools
+(`POOLS`), so that the start-up trial, the engine and the held-out evaluation of a run share
+one.
 """
 
 from __future__ import annotations
@@ -87,11 +89,20 @@ def environment_of(rollout: RolloutConfig) -> tuple[Environment, str]:
     return environment, f"environment {rollout.environment!r}"
 
 
+POOLS: dict[str, PooledEnvironment] = {}
+"""The pools this process started, by the rollout config they were built from (its repr)."""
+
+
 def pooled_environment(rollout: RolloutConfig, kind: Any) -> Environment:
     """rollout.environment built in rollout.isolation.workers worker processes, under its
-    limits (pooled.py). The factory is imported here first, so a wrong name is the same one-line
-    ConfigError as in process; a factory that raises or a worker that dies while the pool starts
-    is a UserCodeError naming it."""
+    limits (pooled.py); the pool already started for the same rollout config while it is open
+    (POOLS), so a run starts its workers once, not once for the start-up trial, once for the
+    engine and once for the held-out evaluation. The factory is imported here first, so a wrong
+    name is the same one-line ConfigError as in process; a factory that raises or a worker that
+    dies while the pool starts is a UserCodeError naming it."""
+    started = POOLS.get(repr(rollout))
+    if started is not None and not started.closed:
+        return started
     if kind.build:
         require_installed(kind, rollout.environment)
         factory = kind.build
@@ -100,7 +111,7 @@ def pooled_environment(rollout: RolloutConfig, kind: Any) -> Environment:
         factory = rollout.environment
     isolation = rollout.isolation
     try:
-        return PooledEnvironment(
+        pool = PooledEnvironment(
             factory,
             rollout,
             workers=isolation.workers,
@@ -113,3 +124,5 @@ def pooled_environment(rollout: RolloutConfig, kind: Any) -> Environment:
             f"the environment {rollout.environment!r} (rollout.environment) did not start in "
             f"its worker processes (rollout.isolation.workers = {isolation.workers}): {e}"
         ) from None
+    POOLS[repr(rollout)] = pool
+    return pool

@@ -176,6 +176,7 @@ class PooledEnvironment:
         self.start_timeout_s = start_timeout_s
         self.failure_reward = float(failure_reward)
         self.failures = 0
+        self.closed = False
         self.counting = threading.Lock()  # failures is counted from several threads
         self.workers = [self.new_worker() for _ in range(workers)]
         self.idle: queue.SimpleQueue[int] = queue.SimpleQueue()  # free workers, first in first
@@ -227,5 +228,6 @@ class PooledEnvironment:
 
     def close(self) -> None:
         """Stop every worker (they are daemons: they also end with the trainer)."""
+        self.closed = True
         for worker in self.workers:
             worker.stop()

@@ -84,6 +84,32 @@ def test_the_sandbox_examples_config_runs_it_in_two_limited_workers(sandbox_pool
         environment_of(in_process)
 
 
+def test_the_start_up_trial_the_engine_and_the_evaluation_share_one_pool(monkeypatch):
+    """A run builds its environment three times (preflight's trial, the engine, the held-out
+    evaluation): its workers start once, and again only after the pool was closed."""
+    config, _ = load_config(["--config", str(ROOT / "examples/sandbox/rl.toml")], RLConfig)
+    isolation = dataclasses.replace(config.rollout.isolation, workers=1)  # not sandbox_pool's
+    rollout = dataclasses.replace(config.rollout, isolation=isolation)
+    started = []
+    start = PooledEnvironment.__init__
+
+    def counted(pool, *args, **kwargs):
+        started.append(pool)
+        start(pool, *args, **kwargs)
+
+    monkeypatch.setattr(PooledEnvironment, "__init__", counted)
+    try:
+        try_user_code(rollout)
+        engines, _ = environment_of(rollout)
+        evaluations, _ = environment_of(rollout)
+        assert started == [engines] and evaluations is engines and len(engines.workers) == 1
+        engines.close()
+        assert environment_of(rollout)[0] is started[1] and len(started) == 2
+    finally:
+        for pool in started:
+            pool.close()
+
+
 def test_a_config_alone_runs_the_environment_in_workers_and_a_crash_costs_its_episode(
     tokenizer, sandbox_pool
 ):
