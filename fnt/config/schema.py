@@ -74,7 +74,7 @@ class ModelConfig:
     compile: Union[bool, Literal["auto"]] = "auto"
     """Compile each decoder layer with torch.compile (regional); "auto": on CUDA unless model.ac."""
     attn_implementation: Literal[
-        "auto", "varlen", "sdpa", "eager", "flash_attention_2", "flash_attention_3"
+        "auto", "varlen", "flex", "sdpa", "eager", "flash_attention_2", "flash_attention_3"
     ] = "auto"
     """Attention kernel ("auto": the fastest here); varlen kernels get document boundaries."""
     loss_chunk_tokens: int = 1024

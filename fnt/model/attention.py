@@ -12,20 +12,25 @@ kernel and where it runs:
   document's length (`max_length_q/k`), read on the host from the batch before it is moved
   (fnt.batch.RowLayout). No mask is passed, nothing of size T x T exists, and the cost follows
   the documents, not the row.
+- blocks: `flex` (torch's FlexAttention, compiled) gets a BlockMask built on the host from the
+  same document lengths (`document_block_mask`): which 128 x 128 tiles of the row's attention
+  hold a visible pair, and which of those are wholly visible; a mask function of the document
+  ids masks the others. Nothing of size T x T exists either, and the tiles no token sees are
+  skipped: the packed-document kernel of a torch older than the varlen one, without flash-attn.
 - mask: `sdpa` and `eager` take an explicit block-diagonal causal mask [B, 1, T, T] (boolean for
   sdpa, additive float for eager): the last fallback, for CPUs. A micro-batch whose rows each
   hold one document takes sdpa's causal path with no mask at all.
 
 `auto` (the default) is the first kernel of `AUTO_ORDER[device type]` that this machine offers
 (`kernel_problem` is None): on CUDA flash-attn 3 when installed, torch's varlen, flash-attn 2,
-then sdpa; on a CPU sdpa. The start-up summary names the kernel.
+FlexAttention, then sdpa; on a CPU sdpa. The start-up summary names the kernel.
 
-fnt's own attention functions (`fnt_varlen`, `fnt_sdpa`) are registered with transformers'
-AttentionInterface only, not with its mask functions: transformers then builds no mask and
-never inspects the position ids for packed sequences (which reads a value back from the
-device), and the function gets exactly what fnt passes. Generation with a KV cache and padding
-needs transformers' masks, so `fnt.rollout.sampling` decodes inside `decoding_attention`, which
-switches such a model to transformers' sdpa for the block.
+fnt's own attention functions (`fnt_varlen`, `fnt_flex`, `fnt_sdpa`) are registered with
+transformers' AttentionInterface only, not with its mask functions: transformers then builds
+no mask and never inspects the position ids for packed sequences (which reads a value back
+from the device), and the function gets exactly what fnt passes. Generation with a KV cache
+and padding needs transformers' masks, so `fnt.rollout.sampling` decodes inside
+`decoding_attention`, which switches such a model to transformers' sdpa for the block.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -48,7 +54,8 @@ class AttentionKernel:
     """One row of the kernel table."""
 
     documents: str
-    """How packed documents reach the kernel: "boundaries" (cu_seq_lens) or "mask" (T x T)."""
+    """How packed documents reach the kernel: "boundaries" (cu_seq_lens), "blocks" (a
+    BlockMask) or "mask" (T x T)."""
     devices: tuple[str, ...]
     """The device types it runs on."""
     hf_name: str
@@ -74,6 +81,17 @@ def _torch_varlen_problem() -> Optional[str]:
     return None
 
 
+def _flex_problem() -> Optional[str]:
+    why = f"(torch >= 2.6; this is {torch.__version__})"
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        return f"needs torch.nn.attention.flex_attention {why}"
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if "seq_lengths" not in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        return f"needs BlockMask.from_kv_blocks(seq_lengths=) {why}"
+    return None
+
+
 HALF = ("bfloat16", "float16")
 
 KERNELS: dict[str, AttentionKernel] = {
@@ -92,18 +110,20 @@ KERNELS: dict[str, AttentionKernel] = {
         _module_problem("flash_attn", "flash-attn"),
         HALF,
     ),
+    # FlexAttention has no backward on a CPU: training there is refused.
+    "flex": AttentionKernel("blocks", ("cuda",), "fnt_flex", _flex_problem),
     "sdpa": AttentionKernel("mask", ("cpu", "cuda"), "fnt_sdpa"),
     "eager": AttentionKernel("mask", ("cpu", "cuda"), "eager"),
 }
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("flash_attention_3", "varlen", "flash_attention_2", "sdpa"),
+    "cuda": ("flash_attention_3", "varlen", "flash_attention_2", "flex", "sdpa"),
     "cpu": ("sdpa",),
 }
 """The kernels "auto" tries, fastest first, per device type (another device type gets sdpa)."""
 
 # The decoding twin of fnt's own functions: transformers' kernel, with its masks.
-_DECODING = {"fnt_varlen": "sdpa", "fnt_sdpa": "sdpa"}
+_DECODING = {"fnt_varlen": "sdpa", "fnt_flex": "sdpa", "fnt_sdpa": "sdpa"}
 
 
 def kernel_problem(name: str, device_type: str, dtype: str = "bfloat16") -> Optional[str]:
@@ -208,6 +228,112 @@ def fnt_varlen_attention(
     return out.reshape(B, T, H, D), None
 
 
+BLOCK = 128
+"""The side of FlexAttention's tiles (its default sparse block size)."""
+
+
+def document_tiles(lengths: tuple[int, ...], block: int = BLOCK) -> tuple[list, list]:
+    """For one row of documents of `lengths` (in order, T tokens in all), per query tile i (the
+    queries [i * block, (i + 1) * block)): the key tiles some of whose keys a query of the tile
+    sees (its own document's, not later ones), in two lists: those it sees only in part (the
+    tiles on the diagonal or crossing a document's edge), and those every query of the tile
+    sees whole. Pure."""
+    starts = np.cumsum([0, *lengths])
+    total = int(starts[-1])
+    tiles = -(-total // block)
+    partial: list[list[int]] = []
+    whole: list[list[int]] = []
+    for i in range(tiles):
+        first, last = i * block, min((i + 1) * block, total) - 1
+        doc_first = int(np.searchsorted(starts, first, side="right")) - 1
+        doc_last = int(np.searchsorted(starts, last, side="right")) - 1
+        in_one = doc_first == doc_last
+        lo, hi = int(starts[doc_first]), int(starts[doc_last + 1])
+        partial.append([])
+        whole.append([])
+        for j in range(lo // block, i + 1):
+            key_lo, key_hi = j * block, min((j + 1) * block, total)
+            seen_whole = in_one and j < i and key_lo >= lo and key_hi <= hi
+            (whole if seen_whole else partial)[i].append(j)
+    return partial, whole
+
+
+def document_block_mask(layout: RowLayout, document_ids: Tensor) -> Any:
+    """The FlexAttention BlockMask of packed rows: their tiles from the host layout
+    (`document_tiles`), a mask function of the rows' document ids (same document, not later)
+    for the tiles seen in part. Built on the host and copied without waiting."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, T = document_ids.shape
+    tiles = -(-T // BLOCK)
+    counts = np.zeros((2, B, 1, tiles), dtype=np.int32)
+    indices = np.zeros((2, B, 1, tiles, tiles), dtype=np.int32)
+    for b, lengths in enumerate(layout.document_lengths):
+        for kind, lists in enumerate(document_tiles(lengths)):
+            for i, seen in enumerate(lists):
+                counts[kind, b, 0, i] = len(seen)
+                indices[kind, b, 0, i, : len(seen)] = seen
+    device = document_ids.device
+
+    def moved(array: np.ndarray) -> Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    def same_document_not_later(b, h, q, kv):
+        return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
+
+    return BlockMask.from_kv_blocks(
+        moved(counts[0]),
+        moved(indices[0]),
+        moved(counts[1]),
+        moved(indices[1]),
+        BLOCK,
+        same_document_not_later,
+        seq_lengths=(T, T),
+    )
+
+
+@cache
+def compiled_flex_attention() -> Callable:
+    """torch's flex_attention compiled once a process (eager, it computes every score)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def fnt_flex_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    sliding_window: Optional[int] = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function protocol over FlexAttention: query [B, H, T, D], key
+    and value [B, Hkv, T, D], the documents as the BlockMask `document_block_mask` made (passed
+    as the attention mask); returns [B, T, H, D]. Compiled on CUDA; elsewhere torch's eager
+    reference (forward only: FlexAttention has no backward on a CPU)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if not isinstance(attention_mask, BlockMask):
+        raise ValueError(
+            "the flex kernel needs the documents' BlockMask, which fnt passes in training "
+            "forwards; decode inside fnt.model.attention.decoding_attention(model)"
+        )
+    if dropout and module.training:
+        raise ValueError("the flex kernel has no attention dropout: use sdpa")
+    if sliding_window is not None:
+        raise ValueError("the flex kernel has no sliding window: use sdpa or flash_attention_2")
+    dtype = compute_dtype(query, key, value)
+    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+    flex = compiled_flex_attention() if q.is_cuda else flex_attention
+    grouped = q.shape[1] != k.shape[1]
+    out = flex(q, k, v, block_mask=attention_mask, scale=scaling, enable_gqa=grouped)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The 16-bit dtype among the tensors, else autocast's where it is on, else their own."""
     for t in tensors:
@@ -238,6 +364,7 @@ def register_kernels_() -> None:
 
         _VARLEN_PARAMETERS = frozenset(inspect.signature(varlen_attn).parameters)
     AttentionInterface.register("fnt_varlen", fnt_varlen_attention)
+    AttentionInterface.register("fnt_flex", fnt_flex_attention)
     AttentionInterface.register("fnt_sdpa", fnt_sdpa_attention)
 
 
@@ -294,6 +421,8 @@ def packed_inputs(model: nn.Module, rows: PackedRows) -> dict[str, Any]:
             max_length_q=longest,
             max_length_k=longest,
         )
+    elif kernel is not None and kernel.documents == "blocks":
+        inputs["attention_mask"] = document_block_mask(row_layout(rows), rows.document_ids)
     elif name == "sdpa" and row_layout(rows).one_document_per_row:
         inputs["attention_mask"] = None  # every row one document: sdpa's causal path
     else:

@@ -1,13 +1,16 @@
 """Attention by kernel (fnt.model.attention): the kernel table and "auto"; what each kernel is
-given (document boundaries and nothing T x T for the varlen kernels, a block-causal mask or, for
-rows of one document, none for sdpa); packed documents == each document alone, logits and
-gradients, for every kernel that runs on a CPU, and for torch's varlen kernel through fnt's
-attention function with a CPU stand-in of the same signature; on a GPU, the real kernels."""
+given (document boundaries and nothing T x T for the varlen kernels, FlexAttention's tiles from
+the host layout, a block-causal mask or, for rows of one document, none for sdpa); packed
+documents == each document alone, logits and gradients, for every kernel that runs on a CPU,
+for torch's varlen kernel through fnt's attention function with a CPU stand-in of the same
+signature, and FlexAttention's forward (it has no backward on a CPU); on a GPU, the real
+kernels."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import typing
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from fnt.model.attention import (
     KERNELS,
     decoding_attention,
     document_boundaries,
+    document_tiles,
     hf_attention_name,
     kernel_problem,
     packed_inputs,
@@ -68,15 +72,22 @@ def test_auto_is_sdpa_on_a_cpu_and_the_first_available_kernel_on_cuda(monkeypatc
     offering(monkeypatch, everything)
     assert resolve_kernel("auto", "cpu", "bfloat16") == "sdpa"
     assert resolve_kernel("auto", "cuda", "bfloat16") == "flash_attention_3"
-    assert resolve_kernel("auto", "cuda", "float32") == "sdpa"  # flash kernels are 16-bit
+    assert resolve_kernel("auto", "cuda", "float32") == "flex"  # flash kernels are 16-bit
     assert "float32" in kernel_problem("varlen", "cuda", "float32")
     offering(monkeypatch, everything - {"flash_attention_3"})
     assert resolve_kernel("auto", "cuda", "bfloat16") == "varlen"
     offering(monkeypatch, everything - {"flash_attention_3", "varlen"})
     assert resolve_kernel("auto", "cuda", "bfloat16") == "flash_attention_2"
+    offering(monkeypatch, {"flex", "sdpa", "eager"})
+    assert resolve_kernel("auto", "cuda", "bfloat16") == "flex"
     offering(monkeypatch, {"sdpa", "eager"})
     assert resolve_kernel("auto", "cuda", "bfloat16") == "sdpa"
     assert resolve_kernel("auto", "mps", "bfloat16") == "sdpa"  # a device the table does not know
+
+
+def test_the_config_takes_every_kernel_of_the_table_and_auto():
+    hint = typing.get_type_hints(ModelConfig)["attn_implementation"]
+    assert set(typing.get_args(hint)) == {"auto", *KERNELS}
 
 
 def test_torch_says_where_its_varlen_kernel_is():
@@ -123,6 +134,62 @@ def test_varlen_kernels_get_boundaries_and_nothing_t_by_t(tiny_model_dir, kernel
     assert int(inputs["cu_seq_lens_q"][-1]) == B * T
     lengths = inputs["cu_seq_lens_q"].diff()
     assert inputs["max_length_q"] == int(lengths.max()) and int(lengths.min()) > 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_flex_tiles_are_those_the_block_causal_mask_touches(seed):
+    """A tile of the row's attention is listed iff a query of it sees a key of it, and listed
+    as seen whole iff every query sees every key (below the diagonal): what the dense mask
+    says, for rows of random documents, lengths around and across the 128-token tiles."""
+    rng = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 8, (1,), generator=rng))
+    lengths = tuple(int(n) for n in torch.randint(1, 300, (count,), generator=rng))
+    ids = torch.repeat_interleave(torch.arange(count), torch.tensor(lengths))[None]
+    dense = attention.block_causal_mask(ids)[0, 0]
+    tiles = -(-dense.shape[0] // attention.BLOCK)
+    partial, whole = document_tiles(lengths)
+    for i in range(tiles):
+        assert not set(partial[i]) & set(whole[i])
+        for j in range(tiles):
+            tile = dense[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
+            assert (j in partial[i] or j in whole[i]) == bool(tile.any()), (i, j)
+            assert (j in whole[i]) == (j < i and bool(tile.all())), (i, j)
+
+
+def test_flex_gets_a_block_mask_of_the_documents_and_nothing_t_by_t(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.config._attn_implementation = KERNELS["flex"].hf_name
+    rows = packed_rows()
+    B, T = rows.input_ids.shape
+    mask = packed_inputs(model, rows)["attention_mask"]
+    assert type(mask).__name__ == "BlockMask" and mask.seq_lengths == (T, T)
+    tensors = [t for t in mask.as_tuple() if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.numel() < T * T for t in tensors)
+    dense = mask.to_dense()  # [B, 1, tiles, tiles]: the tiles listed
+    expected = attention.block_causal_mask(rows.document_ids)
+    assert torch.equal(dense.bool()[:, 0, 0, 0], expected[:, 0, :128, :128].flatten(1).any(1))
+    with pytest.raises(ValueError, match="decoding_attention"):
+        load(tiny_model_dir, "flex")(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+@pytest.mark.numerics
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("layout", ["packed", "one_document"])
+def test_flex_packed_equals_each_document_alone_forward_on_a_cpu(tiny_model_dir, layout):
+    """fnt's FlexAttention function with its block mask, torch's eager FlexAttention under it
+    (no backward on a CPU: the gpu-marked tests check gradients): logits within 1e-5, rows
+    longer than one 128-token tile."""
+    rows, _ = synthetic_rows(seed=3, step=1, num_rows=2, seq_len=300)
+    if layout == "one_document":
+        rows = dataclasses.replace(rows, document_ids=torch.zeros_like(rows.document_ids))
+        rows = dataclasses.replace(rows, position_ids=torch.arange(300).expand(2, 300).clone())
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    weights = torch.zeros(*rows.input_ids.shape, reference.config.vocab_size)
+    alone, _ = per_document_logits_and_grads(reference, rows, weights)
+    model = load(tiny_model_dir, "flex")
+    with torch.no_grad():
+        packed = model(**packed_inputs(model, rows)).logits
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
 
 
 def test_sdpa_gets_the_block_causal_mask_or_none_for_rows_of_one_document(tiny_model_dir):
@@ -265,7 +332,7 @@ def test_the_varlen_function_refuses_a_forward_without_boundaries(tiny_model_dir
 
 # The kernels this machine's packages offer on CUDA (flash-attn is an optional package).
 CUDA_KERNELS = [
-    k for k in [*BOUNDARY_KERNELS, "sdpa"] if kernel_problem(k, "cuda", "bfloat16") is None
+    k for k in [*BOUNDARY_KERNELS, "flex", "sdpa"] if kernel_problem(k, "cuda", "bfloat16") is None
 ]
 
 
@@ -290,6 +357,24 @@ def test_packed_equals_alone_on_a_gpu(tiny_model_dir, kernel):
                     ids = device_rows.input_ids[b, where][None]
                     alone = reference(input_ids=ids, use_cache=False).logits.float()
                     torch.testing.assert_close(packed[b, where], alone[0], rtol=0.02, atol=0.02)
+
+
+@pytest.mark.gpu
+def test_flex_gradients_equal_sdpas_on_a_gpu(tiny_model_dir):
+    """FlexAttention's backward (which a CPU lacks) against sdpa with the dense block mask, on
+    the same packed rows, float32."""
+    if not torch.cuda.is_available():
+        pytest.fail("gpu-marked: needs CUDA")
+    rows = to_device(packed_rows(), torch.device("cuda"))
+    flex_model, sdpa_model = (load(tiny_model_dir, k).cuda() for k in ("flex", "sdpa"))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shape = (*rows.input_ids.shape, flex_model.config.vocab_size)
+    weights = torch.randn(shape, device="cuda", generator=generator)
+    flex, flex_grads = packed_logits_and_grads(flex_model, rows, weights)
+    sdpa, sdpa_grads = packed_logits_and_grads(sdpa_model, rows, weights)
+    torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
+    for name, grad in sdpa_grads.items():
+        torch.testing.assert_close(flex_grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
 
 
 def test_a_run_records_the_kernel_and_compile_choice_its_device_made():

@@ -131,13 +131,18 @@ def test_a_dpo_step_reads_nothing_back(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
-def test_steps_on_a_gpu_never_synchronize(tiny_model_dir, tmp_path, compute_dtype):
+@pytest.mark.parametrize(
+    "compute_dtype, kernel", [("bfloat16", "auto"), ("float32", "auto"), ("float32", "sdpa")]
+)
+def test_steps_on_a_gpu_never_synchronize(tiny_model_dir, tmp_path, compute_dtype, kernel):
     """The second step of each kind under torch.cuda.set_sync_debug_mode("error"): bfloat16
-    compute takes the varlen kernel ("auto"), float32 sdpa with the block mask."""
+    compute takes the varlen kernel ("auto"), float32 FlexAttention ("auto") or sdpa with the
+    block mask."""
     if not torch.cuda.is_available():
         pytest.fail("gpu-marked: needs CUDA")
-    model = ModelConfig(name=str(tiny_model_dir), compute_dtype=compute_dtype)
+    model = ModelConfig(
+        name=str(tiny_model_dir), compute_dtype=compute_dtype, attn_implementation=kernel
+    )
     rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
     sft_config = Config(model=model, optim=OptimConfig(lr=3e-3, max_norm=1.0), seq_len=32)
     sft_state = init_state(sft_config, setup_trainer(sft_config))
