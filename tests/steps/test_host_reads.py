@@ -136,12 +136,15 @@ def test_a_dpo_step_reads_nothing_back(tiny_model_dir, tmp_path):
 )
 def test_steps_on_a_gpu_never_synchronize(tiny_model_dir, tmp_path, compute_dtype, kernel):
     """The second step of each kind under torch.cuda.set_sync_debug_mode("error"): bfloat16
-    compute takes the varlen kernel ("auto"), float32 FlexAttention ("auto") or sdpa with the
-    block mask."""
+    compute takes the varlen kernel ("auto", compiled), float32 FlexAttention ("auto") or sdpa
+    with the block mask (eager, to keep the GPU check's part short)."""
     if not torch.cuda.is_available():
         pytest.fail("gpu-marked: needs CUDA")
     model = ModelConfig(
-        name=str(tiny_model_dir), compute_dtype=compute_dtype, attn_implementation=kernel
+        name=str(tiny_model_dir),
+        compute_dtype=compute_dtype,
+        attn_implementation=kernel,
+        compile="auto" if compute_dtype == "bfloat16" else False,
     )
     rows, _ = synthetic_rows(seed=0, step=1, num_rows=4, seq_len=32)
     sft_config = Config(model=model, optim=OptimConfig(lr=3e-3, max_norm=1.0), seq_len=32)
