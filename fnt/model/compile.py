@@ -70,8 +70,15 @@ def is_compiled(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def eager_layers() -> Iterator[None]:
-    """Inside the block every compiled region runs its eager code and nothing compiles."""
+def eager_layers(model: nn.Module) -> Iterator[None]:
+    """Inside the block `model`'s compiled layers run their eager code and nothing compiles.
+    torch's stance is process-wide, not per thread, so it is set only for a model that has
+    compiled layers: the uncompiled background copy of rollout.async_level > 0, decoding in
+    its own thread, must not switch the update's compiled layers to eager code meanwhile, nor
+    leave the stance at eager when its block and another thread's overlap."""
+    if not any(is_compiled(module) for module in model.modules()):
+        yield
+        return
     with torch.compiler.set_stance("force_eager"):
         yield
 

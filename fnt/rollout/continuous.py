@@ -323,7 +323,7 @@ def recorded_logprobs(
             else torch.full((len(index),), temperature, dtype=torch.float32, device=device),
             entropy=False,
         )
-        with eager_layers(), decoding_attention(model), chunked_head(model, tokens, chunk):
+        with eager_layers(model), decoding_attention(model), chunked_head(model, tokens, chunk):
             stats = model(
                 input_ids=ids.to(device),
                 attention_mask=attention.long().to(device),

@@ -104,7 +104,7 @@ def _last_logits(
     # Compiled layers (model.compile) run compiled only when `compiled`: decoding one token with
     # a cache that keeps them to one graph (fnt.model.decode_cache). A prompt's prefill, whose
     # lengths vary freely, and a DynamicCache, which compiles a graph per layer, run them eagerly.
-    with contextlib.nullcontext() if compiled else eager_layers(), decoding_attention(model):
+    with contextlib.nullcontext() if compiled else eager_layers(model), decoding_attention(model):
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -105,6 +105,21 @@ def test_compiled_layers_keep_the_eager_names_in_state_dicts_and_checkpoints(
         assert torch.equal(saved[True][name], tensor), name
 
 
+def test_only_a_model_with_compiled_layers_switches_torchs_process_wide_stance(tiny_model_dir):
+    """The stance is one for all threads: the uncompiled background copy of an async rollout
+    decoding in eager_layers must leave it alone, or the update's compiled layers would run
+    eagerly meanwhile (and for good, had the two blocks overlapped)."""
+    from torch._dynamo import eval_frame
+
+    model = load_hf_model(ModelConfig(name=str(tiny_model_dir)), torch.device("cpu"))
+    with eager_layers(model):
+        assert eval_frame._stance.stance == "default"
+    compile_layers_(decoder_layers(model))
+    with eager_layers(model):
+        assert eval_frame._stance.stance == "force_eager"
+    assert eval_frame._stance.stance == "default"
+
+
 def test_compile_with_activation_checkpointing_is_refused_in_one_line(tiny_model_dir, tmp_path):
     config = sft_config(tiny_model_dir, tmp_path, compile=True, ac=True)
     with pytest.raises(ConfigError) as error:
@@ -255,7 +270,7 @@ def test_compiled_rl_step_matches_eager_within_the_stated_tolerance(tiny_model_d
         for _ in range(3):
             state, metrics = rl_step(state, batch)
             steps.append({k: float(metrics[k]) for k in sorted(RL_KEYS)})
-        with eager_layers():  # the trained weights compared, without compiling a no-grad graph
+        with eager_layers(state.handles.model):  # the trained weights, no no-grad graph
             seen[compiled] = steps, own_logprobs(state.handles.model, rows)
     assert all(is_compiled(layer) for layer in decoder_layers(state.handles.model))
     (eager_steps, eager_logprobs), (compiled_steps, compiled_logprobs) = seen[False], seen[True]
