@@ -95,13 +95,16 @@ lint: setup
 # The wheels scripts/gpu_check.sh installs offline on a lent GPU machine (Python 3.12, x86-64,
 # torch and transformers 5.17 in its image, no registry): the packages that fnt, its benchmarks
 # and TRL need and that image lacks, each pinned and without its dependencies (the image has
-# the rest). marshmallow < 4 for dataclasses-json; datasets 5.0 keeps huggingface-hub < 2 (as
-# transformers 5.17 does) and asks for dill < 0.4.2 and multiprocess < 0.70.20. Carry
-# .gpu-wheels/ with the working tree to that machine.
+# the rest). marshmallow < 4 and typing-inspect (with mypy-extensions) for dataclasses-json,
+# which fnt imports first: neither is in that image; datasets 5.0 keeps huggingface-hub < 2 (as
+# transformers 5.17 does) and asks for dill < 0.4.2 and multiprocess < 0.70.20; ninja builds the
+# native AdamW (the full-offload gpu test), its command on PATH from the check's site folder.
+# Carry .gpu-wheels/ with the working tree to that machine.
 GPU_WHEELS ?= .gpu-wheels
 GPU_WHEEL_PYTHON ?= 3.12
-GPU_WHEEL_PINS = dataclasses-json==0.6.7 marshmallow==3.26.2 trl==1.16.0 datasets==5.0.0 \
-	dill==0.4.1 multiprocess==0.70.19
+GPU_WHEEL_PINS = dataclasses-json==0.6.7 marshmallow==3.26.2 typing-inspect==0.9.0 \
+	mypy-extensions==1.2.0 trl==1.16.0 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19 \
+	ninja==1.13.2
 gpu-wheels:
 	rm -rf $(GPU_WHEELS)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \

@@ -43,12 +43,15 @@ if [ -d .gpu-wheels ]; then
     2>&1 | tee "$OUT/install.log"
 fi
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
+# The wheels' commands (ninja, which builds the native AdamW) land in $SITE/bin.
+export PATH=$SITE/bin:$PATH
 # No registry or hub is reachable there: nothing may wait on one.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 WANDB_MODE=disabled
 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.log"
-import importlib, sys, torch
+import importlib, shutil, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+print("ninja", shutil.which("ninja"), "c++", shutil.which("c++"))  # the native AdamW's build
 for name in ("transformers", "trl", "datasets", "accelerate", "peft", "dataclasses_json", "fnt"):
     try:
         module = importlib.import_module(name)

@@ -59,6 +59,72 @@ def test_the_gpu_check_installs_its_wheels_offline_and_imports_the_checkout():
     assert ".gpu-wheels/" in (REPO / ".gitignore").read_text().splitlines()
 
 
+# The packages a lent GPU machine's image is known to have (Python 3.12, torch 2.11, no registry);
+# with what they require, the wheels of `make gpu-wheels` must supply everything else.
+GPU_IMAGE = (
+    "torch transformers accelerate huggingface-hub safetensors tokenizers numpy triton peft "
+    "pytest hypothesis pyarrow pandas xxhash jinja2 requests tqdm pyyaml psutil rich"
+).split()
+# Extras and tools that image lacks: no test module may import them when it is loaded, or
+# `pytest -m gpu tests` stops at a collection error before running any gpu test.
+NOT_IN_GPU_IMAGE = {"matplotlib", "reasoning_gym", "verifiers", "vllm", "wandb", "ruff"}
+
+
+def _requirements(name: str) -> list[str]:
+    """The distribution's unconditional requirements (no extras), by normalised name; [] when it
+    is not installed here."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    try:
+        texts = requires(name) or []
+    except PackageNotFoundError:
+        return []
+    found = []
+    for text in texts:
+        requirement = Requirement(text)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            found.append(canonicalize_name(requirement.name))
+    return found
+
+
+def test_the_gpu_wheels_bring_what_they_require_beyond_the_image():
+    """Every requirement of a pinned wheel (as installed here) is pinned too or comes with the
+    image: dataclasses-json's typing-inspect did not, and fnt could not be imported there."""
+    from packaging.utils import canonicalize_name
+
+    makefile = (REPO / "Makefile").read_text()
+    pins_text = re.search(r"^GPU_WHEEL_PINS = ((?:.*\\\n)*.*)$", makefile, flags=re.M).group(1)
+    pins = {canonicalize_name(p.split("==")[0]) for p in pins_text.replace("\\", " ").split()}
+    assert {"dataclasses-json", "typing-inspect", "trl", "ninja"} <= pins, pins
+    image, todo = set(), [canonicalize_name(n) for n in GPU_IMAGE]
+    while todo:
+        name = todo.pop()
+        if name not in image:
+            image.add(name)
+            todo.extend(_requirements(name))
+    missing = {(pin, r) for pin in pins for r in _requirements(pin) if r not in pins | image}
+    assert not missing, missing
+
+
+def test_no_test_module_imports_what_the_gpu_image_lacks_when_loaded():
+    import ast
+
+    collected = [*(REPO / "tests").rglob("test_*.py"), *(REPO / "tests").rglob("conftest.py")]
+    for path in sorted(collected):  # the files pytest imports (helpers are imported lazily)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in NOT_IN_GPU_IMAGE, (path, name)
+
+
 def test_the_peers_rows_are_exactly_seq_len_tokens_of_one_document(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
