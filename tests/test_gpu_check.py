@@ -125,6 +125,19 @@ def test_no_test_module_imports_what_the_gpu_image_lacks_when_loaded():
                 assert name.split(".")[0] not in NOT_IN_GPU_IMAGE, (path, name)
 
 
+def test_a_gpu_tests_subprocess_keeps_the_site_folder_on_its_path(tmp_path, monkeypatch):
+    """On the GPU machine fnt's dependencies (dataclasses-json) lie in the check's site folder on
+    PYTHONPATH: the runs a gpu test starts (run_script) keep it there, after the checkout."""
+    from tests.e2e.helpers import run_script
+
+    site = tmp_path / "site"
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    script = tmp_path / "path.py"
+    script.write_text("import os; print(os.environ['PYTHONPATH'])")
+    printed = run_script(str(script)).stdout.strip()
+    assert printed.split(":") == [str(REPO), str(site)]
+
+
 def test_the_peers_rows_are_exactly_seq_len_tokens_of_one_document(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 

@@ -27,6 +27,12 @@ def read_metrics(output_dir) -> list[dict]:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
+def repo_path() -> str:
+    """A child's PYTHONPATH: the repository, then this process's PYTHONPATH, if any."""
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([str(REPO), inherited] if inherited else [str(REPO)])
+
+
 def run_script(
     script: str,
     *args: str,
@@ -38,15 +44,17 @@ def run_script(
 ):
     """Run scripts/{script} (or `script` itself when it is an absolute path, such as a test's own
     loop, or the module `script` with `-m` when module=True) with args; under torchrun
-    --standalone when nproc > 0. The repository is on PYTHONPATH so that such loops can import
-    the tests' helpers. `env` adds to (or replaces) the child's environment."""
+    --standalone when nproc > 0. The repository is first on PYTHONPATH so that such loops can
+    import the tests' helpers, before what PYTHONPATH had (the GPU check's machine has fnt's
+    dependencies there, in its site folder). `env` adds to (or replaces) the child's
+    environment."""
     launcher = [*TORCHRUN, "--nproc-per-node", str(nproc)] if nproc else [sys.executable]
     target = ["-m", script] if module else [str(REPO / "scripts" / script)]
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "WANDB_SILENT": "true",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": repo_path(),
         **(env or {}),
     }
     # A session of its own, so that a hung run's torchrun workers die with it on timeout.
