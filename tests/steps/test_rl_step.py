@@ -216,9 +216,13 @@ def test_an_rl_step_reduces_its_counts_once(tiny_model_dir, monkeypatch):
         return [float(v) for v in values]
 
     for module in list(sys.modules.values()):  # wherever the collectives were imported
-        if getattr(module, "all_reduce_sum", None) is all_reduce_sum:
+        # A module's own names only: a module-level __getattr__ may import on any lookup
+        # (transformers 5.17's *_fast aliases import their image processor, which needs
+        # torchvision).
+        names = getattr(module, "__dict__", {})
+        if names.get("all_reduce_sum") is all_reduce_sum:
             monkeypatch.setattr(module, "all_reduce_sum", counted)
-        if getattr(module, "all_reduce_sums", None) is all_reduce_sums:
+        if names.get("all_reduce_sums") is all_reduce_sums:
             monkeypatch.setattr(module, "all_reduce_sums", counted_values)
     rl_step(state, batch)
     assert len(reduced) == 2, reduced
