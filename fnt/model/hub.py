@@ -65,11 +65,15 @@ def hub_snapshot(
     from huggingface_hub import constants, snapshot_download
 
     def resolve(local_files_only: bool, commit: Optional[str] = None) -> str:
+        # Offline, ask for the cache alone: huggingface_hub 1.x, given a commit hash and
+        # local_files_only=False, skips its cache look-up and lists the repository's files on
+        # the Hub (refused offline) unless it listed them itself before, so a snapshot laid out
+        # by another tool or version was "not in the cache".
         return snapshot_download(
             repo_id,
             revision=commit or revision,
             allow_patterns=ALLOW_PATTERNS,
-            local_files_only=local_files_only,
+            local_files_only=local_files_only or bool(constants.HF_HUB_OFFLINE),
         )
 
     try:
