@@ -116,6 +116,59 @@ def test_torch_varlen_arguments_follow_its_signature():
         varlen_options(frozenset({"query"}), groups=1)
 
 
+def test_the_varlen_function_compiles_into_one_graph_with_this_torchs_kernel():
+    """A compiled layer on CUDA (model.compile "auto") runs fnt's varlen function: with this
+    torch's own varlen_attn (torch 2.11's takes window_size and no enable_gqa) it traces into
+    one graph, forward and backward, at dynamic lengths. Traced only: the kernel is CUDA's, so
+    the compiled graphs are recorded, not run (the gpu-marked compile test runs them)."""
+    problem = kernel_problem("varlen", "cuda")
+    if problem is not None:  # an older torch: the kernel is refused, never compiled
+        assert "torch >= 2.10" in problem
+        return
+    from torch._dynamo.backends.common import aot_autograd
+
+    attention.register_kernels_()
+    traced: dict[str, list[str]] = {}
+
+    class Recorded(Exception):
+        pass
+
+    def recorder(kind):
+        def compile_(graph, example_inputs):
+            calls = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+            traced[kind] = [c for c in calls if "varlen" in c]
+
+            def run(*args):
+                raise Recorded(kind)
+
+            return run
+
+        return compile_
+
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    module = torch.nn.Module()  # training: no dropout is asked for
+    q = torch.randn(2, 4, 16, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 16, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    cumulative = torch.tensor([0, 5, 16, 20, 32], dtype=torch.int32)
+
+    def loss(q, k, v, cumulative, longest):
+        out, _ = attention.fnt_varlen_attention(
+            module, q, k, v, None, scaling=0.25, cu_seq_lens_q=cumulative,
+            cu_seq_lens_k=cumulative, max_length_q=longest, max_length_k=longest,
+        )  # fmt: skip
+        return out.float().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend=backend, fullgraph=True, dynamic=True)
+    with pytest.raises(Recorded, match="forward"):
+        compiled(q, k, v, cumulative, 12)
+    torch._dynamo.reset()
+    assert traced == {
+        "forward": ["torch_attn._varlen_attn.default"],
+        "backward": ["torch_attn._varlen_attn_backward.default"],
+    }
+
+
 @pytest.mark.parametrize("kernel", BOUNDARY_KERNELS)
 def test_varlen_kernels_get_boundaries_and_nothing_t_by_t(tiny_model_dir, kernel):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
