@@ -39,7 +39,8 @@ torch.cuda.get_device_name() (H200, H100: 989e12; A100: 312e12), else --peak-flo
 seq_len 256, 3 steps, float32 compute where no CUDA device is present. A side that cannot run
 (TRL not importable, a failure, a timeout) gets a reason string instead of numbers. A JSON line
 is printed after each side (the results so far, "complete": false); the last line is the whole
-JSON object, with the ratios fnt/trl and fnt/bare of tokens/s.
+JSON object, with the ratios fnt/trl and fnt/bare of tokens/s. The exit status is 1 when a side
+failed (fnt with the settings asked for included), after that line.
 """
 
 from __future__ import annotations
@@ -393,6 +394,11 @@ def main() -> None:
             f"fnt/bare {result.get('fnt_over_bare')}"
         )
     print(json.dumps({**result, "complete": True}))
+    failed = "fnt_failed" in result or any(
+        str(result.get(side, "")).startswith("failed") for side in SIDES
+    )
+    if failed:  # the GPU check's summary shows the part's exit status
+        sys.exit(1)
 
 
 if __name__ == "__main__":
