@@ -187,6 +187,30 @@ def varlen_options(parameters: frozenset[str], groups: int) -> tuple[dict[str, A
     return options, repeat
 
 
+def refuse_what_it_cannot_do(
+    kernel: str,
+    documents: str,
+    given: bool,
+    module: nn.Module,
+    dropout: float,
+    sliding_window: Optional[int],
+) -> None:
+    """ValueError where one of fnt's own kernels is called for what it cannot do: without the
+    documents' `documents`, which fnt passes in training forwards only (`given`), with
+    attention dropout in training, or with a sliding window."""
+    if not given:
+        raise ValueError(
+            f"the {kernel} kernel needs the documents' {documents}, which fnt passes in training "
+            "forwards; decode inside fnt.model.attention.decoding_attention(model)"
+        )
+    if dropout and module.training:
+        raise ValueError(f"the {kernel} kernel has no attention dropout: use sdpa")
+    if sliding_window is not None:
+        raise ValueError(
+            f"the {kernel} kernel has no sliding window: use sdpa or flash_attention_2"
+        )
+
+
 def fnt_varlen_attention(
     module: nn.Module,
     query: Tensor,
@@ -203,15 +227,10 @@ def fnt_varlen_attention(
     `max_length_q` (fnt.model.attention.packed_inputs); returns [B, T, H, D]."""
     from torch.nn.attention.varlen import varlen_attn
 
-    if "cu_seq_lens_q" not in kwargs:
-        raise ValueError(
-            "the varlen kernel needs the documents' boundaries (cu_seq_lens_q), which fnt passes "
-            "in training forwards; decode inside fnt.model.attention.decoding_attention(model)"
-        )
-    if dropout and module.training:
-        raise ValueError("the varlen kernel has no attention dropout: use sdpa")
-    if sliding_window is not None:
-        raise ValueError("the varlen kernel has no sliding window: use sdpa or flash_attention_2")
+    refuse_what_it_cannot_do(
+        "varlen", "boundaries (cu_seq_lens_q)", "cu_seq_lens_q" in kwargs, module, dropout,
+        sliding_window,
+    )  # fmt: skip
     B, H, T, D = query.shape
     groups = H // key.shape[1]
     options, repeat = varlen_options(_varlen_parameters(), groups)
@@ -317,15 +336,10 @@ def fnt_flex_attention(
     reference (forward only: FlexAttention has no backward on a CPU)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    if not isinstance(attention_mask, BlockMask):
-        raise ValueError(
-            "the flex kernel needs the documents' BlockMask, which fnt passes in training "
-            "forwards; decode inside fnt.model.attention.decoding_attention(model)"
-        )
-    if dropout and module.training:
-        raise ValueError("the flex kernel has no attention dropout: use sdpa")
-    if sliding_window is not None:
-        raise ValueError("the flex kernel has no sliding window: use sdpa or flash_attention_2")
+    refuse_what_it_cannot_do(
+        "flex", "BlockMask", isinstance(attention_mask, BlockMask), module, dropout,
+        sliding_window,
+    )  # fmt: skip
     dtype = compute_dtype(query, key, value)
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     flex = compiled_flex_attention() if q.is_cuda else flex_attention
