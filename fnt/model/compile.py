@@ -85,8 +85,10 @@ def eager_layers(model: nn.Module) -> Iterator[None]:
 
 def graph_limit() -> int:
     """The most graphs torch compiles for one code object (a decoder layer's forward) before
-    running new shapes eagerly: torch._dynamo.config.recompile_limit."""
-    return int(torch._dynamo.config.recompile_limit)
+    running new shapes eagerly: torch._dynamo.config.recompile_limit (cache_size_limit before
+    torch 2.7)."""
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or config.cache_size_limit)
 
 
 def compile_totals() -> CompileTotals:

@@ -120,6 +120,15 @@ def test_only_a_model_with_compiled_layers_switches_torchs_process_wide_stance(t
     assert eval_frame._stance.stance == "default"
 
 
+def test_the_graph_limit_is_read_under_its_name_of_this_torch(monkeypatch):
+    import types
+
+    assert graph_limit() == torch._dynamo.config.recompile_limit
+    older = types.SimpleNamespace(cache_size_limit=5)  # torch 2.6 had no recompile_limit
+    monkeypatch.setattr(torch._dynamo, "config", older)
+    assert graph_limit() == 5
+
+
 def test_compile_with_activation_checkpointing_is_refused_in_one_line(tiny_model_dir, tmp_path):
     config = sft_config(tiny_model_dir, tmp_path, compile=True, ac=True)
     with pytest.raises(ConfigError) as error:
