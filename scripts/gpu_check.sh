@@ -10,8 +10,10 @@
 #      eager and compiled chunks against a bare chunked cross entropy (scripts/bench_loss.py),
 #   4. profile: a few fnt SFT steps at seq_len 8192 under torch.profiler (scripts/profile_step.py:
 #      the top kernels by device time, the host syncs per step),
-#   5. gpu_tests: the gpu-marked tests but vLLM's (varlen attention: packed == alone; compiled
-#      SFT and decoding against eager; full offload on one CUDA rank; NUMA binding),
+#   5. gpu_tests: the gpu-marked tests but vLLM's (varlen and flex attention: packed == alone,
+#      flex's gradients; steps under sync-debug mode; compiled SFT and decoding against eager;
+#      full offload on one CUDA rank; NUMA binding), each test's result and time in the log as
+#      it ends (-v, --durations=0), so a part stopped at its limit still shows how far it got,
 #   6. dpo: fnt dpo against TRL's DPOTrainer at the 0.6B shape, bf16 (scripts/bench_dpo.py),
 #   7. rl: an RL step of the in-process engine at the 0.6B shape against a bare GRPO loop on the
 #      same device (scripts/bench_rl.py --model).
@@ -99,7 +101,7 @@ run_part peers_2048 100 "$PY" scripts/bench_peers.py "${PEERS_2048[@]}" --work "
 run_part loss 40 "$PY" scripts/bench_loss.py --kernels "${LOSS[@]}"
 [ -f "$MODEL/config.json" ] && PROFILE+=(--model "$MODEL")
 run_part profile 50 "$PY" scripts/profile_step.py "${PROFILE[@]}" --work "$WORK/profile"
-run_part gpu_tests 100 "$PY" -m pytest -q -m "gpu and not vllm" -p no:cacheprovider ${TESTS[@]+"${TESTS[@]}"} tests
+run_part gpu_tests 100 "$PY" -m pytest -v -m "gpu and not vllm" -p no:cacheprovider --durations=0 ${TESTS[@]+"${TESTS[@]}"} tests
 if [ "$TINY" != 1 ] && [ -f "$MODEL/config.json" ]; then
   DPO+=(--model "$MODEL")
   RL+=(--model "$MODEL")
