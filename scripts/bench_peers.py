@@ -16,7 +16,8 @@ shuffling); the bare loop and TRL get the same ids already tokenized.
           lr 1e-5 constant, grad clip 1.0. Neither model.attn_implementation nor model.compile is
           passed: fnt's defaults decide, and the JSON reports what its config.json recorded
           (--fnt-args adds arguments). Where fnt fails with them, it runs once more with sdpa
-          and no compile (FALLBACK_ARGS), and "fnt_failed" in the JSON says what failed.
+          and no compile (FALLBACK_ARGS, in place of --fnt-args), and "fnt_failed" in the JSON
+          says what failed.
     bare  the HF model's forward with labels under torch.autocast(bfloat16) over float32
           weights, sdpa, backward, clip_grad_norm_(1.0), torch.optim.AdamW(fused=True), lr 1e-5,
           no weight decay (as fnt and TRL).
@@ -40,7 +41,7 @@ seq_len 256, 3 steps, float32 compute where no CUDA device is present. A side th
 (TRL not importable, a failure, a timeout) gets a reason string instead of numbers. A JSON line
 is printed after each side (the results so far, "complete": false); the last line is the whole
 JSON object, with the ratios fnt/trl and fnt/bare of tokens/s. The exit status is 1 when a side
-failed (fnt with the settings asked for included), after that line.
+failed or timed out (fnt with the settings asked for included), after that line.
 """
 
 from __future__ import annotations
@@ -129,8 +130,7 @@ def run_fnt(spec: dict, timeout: float | None) -> dict:
     done = subprocess.run(
         command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout
     )
-    log = "fnt-fallback.log" if spec["fnt_args"] == FALLBACK_ARGS else "fnt.log"
-    (run.parent / log).write_text(done.stdout + done.stderr)
+    (run.parent / spec.get("log", "fnt.log")).write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"fnt sft exited {done.returncode}: {done.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -161,7 +161,7 @@ def measure_fnt(spec: dict, timeout: float | None, result: dict) -> dict:
         asked = " ".join(spec["fnt_args"]) or "the defaults"
         result["fnt_failed"] = f"with {asked}: {str(e)[-1500:]}"
         print(f"fnt failed with {asked}; measuring it with {' '.join(FALLBACK_ARGS)}", flush=True)
-        return run_fnt({**spec, "fnt_args": FALLBACK_ARGS}, timeout)
+        return run_fnt({**spec, "fnt_args": FALLBACK_ARGS, "log": "fnt-fallback.log"}, timeout)
 
 
 def run_worker(side: str, spec: dict, timeout: float | None) -> dict:
@@ -394,11 +394,17 @@ def main() -> None:
             f"fnt/bare {result.get('fnt_over_bare')}"
         )
     print(json.dumps({**result, "complete": True}))
-    failed = "fnt_failed" in result or any(
-        str(result.get(side, "")).startswith("failed") for side in SIDES
-    )
-    if failed:  # the GPU check's summary shows the part's exit status
+    if any_side_failed(result):  # the GPU check's summary shows the part's exit status
         sys.exit(1)
+
+
+def any_side_failed(result: dict) -> bool:
+    """Whether fnt failed with the settings asked for, or a side failed or timed out (a side
+    that could not be tried, TRL not importable, is no failure)."""
+    reasons = [r for r in (result.get(side) for side in SIDES) if isinstance(r, str)]
+    return "fnt_failed" in result or any(
+        r.startswith("failed") or "timed out" in r for r in reasons
+    )
 
 
 if __name__ == "__main__":

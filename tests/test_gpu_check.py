@@ -197,10 +197,11 @@ def test_the_peers_fnt_side_falls_back_to_sdpa_once_when_its_settings_fail(monke
     failure."""
     import scripts.bench_peers as peers
 
-    calls = []
+    calls, logs = [], []
 
     def run_fnt(spec, timeout):
         calls.append(spec["fnt_args"])
+        logs.append(spec.get("log", "fnt.log"))
         if spec["fnt_args"] != peers.FALLBACK_ARGS or fallback_fails:
             raise RuntimeError(f"fnt sft exited 1: boom {len(calls)}")
         return {"step_times": [1.0]}
@@ -211,12 +212,23 @@ def test_the_peers_fnt_side_falls_back_to_sdpa_once_when_its_settings_fail(monke
     asked = ["--model.compile", "true"]
     assert peers.measure_fnt({"fnt_args": asked}, 10.0, result) == {"step_times": [1.0]}
     assert calls == [asked, peers.FALLBACK_ARGS]
+    assert logs == ["fnt.log", "fnt-fallback.log"]
     assert result["fnt_failed"] == "with --model.compile true: fnt sft exited 1: boom 1"
     fallback_fails, result = True, {}
     with pytest.raises(RuntimeError, match="boom 4"):
         peers.measure_fnt({"fnt_args": []}, 10.0, result)
     assert calls[2:] == [[], peers.FALLBACK_ARGS]
     assert result["fnt_failed"].startswith("with the defaults: ")
+
+
+def test_the_peers_exit_status_counts_failures_and_timeouts_not_a_missing_trl():
+    import scripts.bench_peers as peers
+
+    measured = {"fnt": {"step_s": 1.0}, "bare": {"step_s": 1.0}}
+    assert not peers.any_side_failed({**measured, "trl": "not measured: trl is not importable"})
+    assert peers.any_side_failed({**measured, "trl": "not measured: timed out after 90 s"})
+    assert peers.any_side_failed({**measured, "trl": "failed: TRL exited 1"})
+    assert peers.any_side_failed({**measured, "fnt_failed": "with the defaults: boom"})
 
 
 def run_json(*args: str, timeout: float, returncode: int = 0) -> dict:

@@ -64,9 +64,10 @@ def check_inputs(config: Config, model_name_source: str) -> None:
     """Everything checkable before the model is built, for `fnt sft`, `fnt rl` and `fnt dpo`; raises
     ConfigError or DataError. Reads only: nothing is written until every check has passed.
 
-    JSONL sources get their first record checked; parquet/Arrow files and directories only
-    their existence; glob patterns and Hugging Face datasets are resolved by the loader. The
-    LoRA check comes last, as the costliest (it imports transformers and PEFT)."""
+    JSONL sources get their first record checked; parquet/Arrow files their existence,
+    directories and glob patterns that they hold or match such a file; Hugging Face datasets
+    are resolved by the loader. The LoRA check comes last, as the costliest (it imports
+    transformers and PEFT)."""
     require_run_output_dir(config.output_dir)
     require_model(config, model_name_source)
     for key, reference in reference_models(config):

@@ -311,12 +311,10 @@ def document_block_mask(layout: RowLayout, document_ids: Tensor) -> Any:
     )
 
 
-@cache
-def compiled_flex_attention() -> Callable:
-    """torch's flex_attention compiled once a process (eager, it computes every score)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
+_COMPILED_FLEX: Optional[Callable] = None
+"""torch's flex_attention compiled (eager, it computes every score), made where CUDA is when the
+kernels are registered: a compiled layer reads a module global, not a cached call that torch
+would trace and warn about."""
 
 
 def fnt_flex_attention(
@@ -342,7 +340,7 @@ def fnt_flex_attention(
     )  # fmt: skip
     dtype = compute_dtype(query, key, value)
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
-    flex = compiled_flex_attention() if q.is_cuda else flex_attention
+    flex = _COMPILED_FLEX if q.is_cuda and _COMPILED_FLEX is not None else flex_attention
     grouped = q.shape[1] != k.shape[1]
     out = flex(q, k, v, block_mask=attention_mask, scale=scaling, enable_gqa=grouped)
     return out.transpose(1, 2).contiguous(), None
@@ -372,11 +370,15 @@ def register_kernels_() -> None:
     """Add fnt's attention functions to transformers' AttentionInterface (not to its masks)."""
     from transformers import AttentionInterface
 
-    global _VARLEN_PARAMETERS
+    global _VARLEN_PARAMETERS, _COMPILED_FLEX
     if _torch_varlen_problem() is None:
         from torch.nn.attention.varlen import varlen_attn
 
         _VARLEN_PARAMETERS = frozenset(inspect.signature(varlen_attn).parameters)
+    if torch.cuda.is_available():  # compiling is CUDA's: a CPU run would only import dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention)
     AttentionInterface.register("fnt_varlen", fnt_varlen_attention)
     AttentionInterface.register("fnt_flex", fnt_flex_attention)
     AttentionInterface.register("fnt_sdpa", fnt_sdpa_attention)
